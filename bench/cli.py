@@ -1,0 +1,97 @@
+"""`bench`: thin commands over the library. Commands parse, call, print; known errors print one
+line and exit 2 (no traceback)."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import fields
+
+import click
+
+from bench.config import ConfigError, RunConfig
+
+
+def config_options(func):
+    """One CLI option per RunConfig field, named and documented by the field itself."""
+    for f in reversed(fields(RunConfig)):
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        kind = {"int": int, "float": float, "int | None": int, "str | None": str}.get(str(f.type), str)
+        if meta["choices"]:
+            kind = click.Choice([str(c) for c in meta["choices"]])
+        if f.type == "bool":
+            func = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=meta["help"])(func)
+        elif f.type == "tuple":
+            func = click.option(flag, f.name, multiple=True, help=meta["help"])(func)
+        else:
+            func = click.option(flag, f.name, type=kind, default=None, help=meta["help"])(func)
+    return func
+
+
+def config_from_options(options: dict) -> RunConfig:
+    given = {k: v for k, v in options.items() if v is not None and v != ()}
+    if "zero" in given:
+        given["zero"] = int(given["zero"])
+    return RunConfig(**given)
+
+
+def echo_json(obj) -> None:
+    click.echo(json.dumps(obj, default=str, allow_nan=True))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def app():
+    """parabench: benchmark and explain tensor × pipeline × data-parallel training."""
+
+
+@app.command()
+@config_options
+@click.option("--launcher", type=click.Choice(["local", "debug"]), default="local", show_default=True,
+              help="local: world-size processes on this machine; debug: in this process (world 1)")
+@click.option("--json", "as_json", is_flag=True, help="print the result row as one JSON object")
+def run(launcher, as_json, **options):
+    """Run one benchmark configuration and print its result row."""
+    cfg = config_from_options(options)
+    from bench.sweep.local import run_debug, run_local
+    click.echo(f"running {cfg.backend} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} ({cfg.world} ranks) "
+               f"run_id={cfg.run_id}", err=True)
+    row = (run_debug if launcher == "debug" else run_local)(cfg)
+    if as_json:
+        echo_json(row)
+    else:
+        _print_row(row)
+    sys.exit(0 if row["status"] == "ok" else 1)
+
+
+def _print_row(row: dict) -> None:
+    if row["status"] != "ok":
+        click.echo(f"status: {row['status']}\n{row['error']}")
+        return
+    click.echo(f"status: ok   loss {row['loss_first']:.4f} → {row['loss_last']:.4f}")
+    click.echo(f"step {row['step_time_s'] * 1e3:.1f} ms (p10 {row['step_time_p10_s'] * 1e3:.1f}, "
+               f"p90 {row['step_time_p90_s'] * 1e3:.1f})   {row['tokens_per_s']:.0f} tokens/s   "
+               f"MFU {row['mfu']:.2%}")
+    click.echo(f"peak step memory {row['peak_mem_bytes'] / 2**20:.1f} MiB/rank   "
+               f"persistent {row['persistent_bytes'] / 2**20:.1f} MiB/rank")
+    for dim in ("tp", "pp", "dp"):
+        click.echo(f"comm {dim}: {row.get(f'comm_bytes_{dim}', 0) / 2**20:.3f} MiB/step payload, "
+                   f"{row.get(f'comm_wire_bytes_{dim}', 0) / 2**20:.3f} MiB wire, "
+                   f"{row.get(f'comm_ops_{dim}', 0):.0f} ops")
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

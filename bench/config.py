@@ -1,0 +1,248 @@
+"""RunConfig: one benchmark run, validated before any process starts.
+
+Field names are the vocabulary of the whole suite: a field `micro_batches` is the CLI flag
+`--micro-batches`, the YAML key `micro_batches` and the dataframe column `micro_batches`.
+Each field's `help` is the CLI's help text.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import Any
+
+from bench.layout import ORDERS
+from models.config import GPTConfig, get_preset
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message names the fields and the fix."""
+
+
+def _f(default, help: str, choices: tuple | None = None, in_id: bool = True):
+    kw = {"default_factory": default} if callable(default) else {"default": default}
+    return field(metadata={"help": help, "choices": choices, "in_id": in_id}, **kw)
+
+
+BACKENDS = ("native", "deepspeed", "fsdp", "ddp")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+FSDP_MODES = ("full", "grad-op", "hybrid", "none")
+DTYPES = ("fp32", "bf16-mixed", "fp16-mixed")
+RECOMPUTE = ("none", "selective", "full")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str = _f("tiny", "model preset (models.PRESETS)")
+    model_overrides: tuple = _f(tuple, "preset fields to override, as KEY=VALUE (e.g. layers=8)")
+    backend: str = _f("native", "training backend", BACKENDS)
+    tp: int = _f(1, "tensor-parallel size")
+    pp: int = _f(1, "pipeline-parallel size (stages)")
+    dp: int = _f(1, "data-parallel size (replicas)")
+    order: str = _f("tp-pp-dp", "rank order, fastest dimension first", ORDERS)
+    zero: int = _f(0, "ZeRO stage: native 0-1, deepspeed 0-3", (0, 1, 2, 3))
+    fsdp: str | None = _f(None, "FSDP sharding (backend fsdp only; default full)", FSDP_MODES)
+    schedule: str = _f("1f1b", "pipeline schedule", SCHEDULES)
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)")
+    micro_batch: int = _f(2, "sequences per micro-batch")
+    micro_batches: int = _f(1, "micro-batches per step and pipeline (gradient accumulation when pp = 1)")
+    seq: int | None = _f(None, "sequence length (default: the model's seq_len)")
+    dtype: str = _f("fp32", "training precision", DTYPES)
+    sequence_parallel: bool = _f(False, "shard norm/dropout regions along the sequence (needs tp > 1)")
+    recompute: str = _f("none", "activation recomputation", RECOMPUTE)
+    bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB")
+    steps: int = _f(5, "timed optimizer steps")
+    warmup: int = _f(2, "untimed optimizer steps before timing")
+    seed: int = _f(0, "seed of weights and data")
+    device: str = _f("auto", "device (auto = cuda when available, else cpu)", DEVICES)
+    ds_set: tuple = _f(tuple, "DeepSpeed config override KEY=VALUE with a dotted key (repeatable)")
+    world_size: int | None = _f(None, "expected world size; must equal tp × pp × dp when given")
+    repeat: int = _f(0, "repeat index of the same config (noise estimation)")
+    fault: str = _f("none", "test-only fault injection: raise | hang | oom on the last rank, or sleep:MS per step")
+    timeout_s: float = _f(600.0, "wall-clock limit of the run in seconds", in_id=False)
+
+    def __post_init__(self):
+        _normalize(self)
+        _validate(self)
+
+    # --- derived -------------------------------------------------------------------------
+    @property
+    def model_config(self) -> GPTConfig:
+        return model_config(self.model, self.model_overrides)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.micro_batches * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq
+
+    @property
+    def run_id(self) -> str:
+        """Short hash of the canonical form: the key for resume, de-duplication and baselines."""
+        return _digest(self.canonical())
+
+    @property
+    def config_id(self) -> str:
+        """Like run_id but equal for every repeat of a config (groups repeats for statistics)."""
+        return _digest({k: v for k, v in self.canonical().items() if k != "repeat"})
+
+    def canonical(self) -> dict[str, Any]:
+        """Fields that identify the run: those off their defaults, plus the layout and backend.
+
+        Leaving defaults out keeps run ids stable when a new field with a default is added."""
+        out = {}
+        for f in fields(self):
+            if not f.metadata["in_id"]:
+                continue
+            value = getattr(self, f.name)
+            if f.name in ("model", "backend", "tp", "pp", "dp") or value != _default(f):
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def to_row(self) -> dict[str, Any]:
+        """Flat columns for the results dataframe (tuples become JSON strings)."""
+        row = {k: (json.dumps(list(v)) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        row.update(world_size=self.world, global_batch=self.global_batch, run_id=self.run_id,
+                   config_id=self.config_id)
+        return row
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown run config field(s) {unknown}{_suggest(unknown[0], known)}")
+        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items()})
+
+    def replace(self, **changes) -> "RunConfig":
+        return replace(self, **changes)
+
+
+def _default(f):
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def _digest(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _suggest(name: str, known) -> str:
+    import difflib
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def model_config(preset: str, overrides: tuple | dict = ()) -> GPTConfig:
+    items = overrides.items() if isinstance(overrides, dict) else overrides
+    parsed = {}
+    for item in items:
+        key, value = item if isinstance(item, (tuple, list)) else _split_kv(item, "model_overrides")
+        parsed[key] = value
+    try:
+        cfg = get_preset(preset)
+        types = {f.name: f.type for f in fields(GPTConfig)}
+        return cfg.with_overrides(**{k: _coerce(v, types.get(k, "str")) for k, v in parsed.items()})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _split_kv(item: str, name: str) -> tuple[str, str]:
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError(f"{name} entry {item!r} must look like KEY=VALUE")
+    key, value = item.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def _coerce(value, type_name: str):
+    if not isinstance(value, str):
+        return value
+    if type_name == "int":
+        return int(value)
+    if type_name == "bool":
+        return value.lower() in ("1", "true", "yes", "on")
+    return value
+
+
+def _normalize(cfg: RunConfig) -> None:
+    """Fill the defaults that depend on other fields (frozen: set through object.__setattr__)."""
+    set_ = lambda k, v: object.__setattr__(cfg, k, v)  # noqa: E731
+    for name in ("model_overrides", "ds_set"):
+        value = getattr(cfg, name)
+        if isinstance(value, dict):
+            value = tuple(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, (list, str)):
+            value = tuple([value] if isinstance(value, str) else value)
+        set_(name, tuple(value))
+    if cfg.backend == "fsdp" and cfg.fsdp is None:
+        set_("fsdp", "full")
+    if cfg.seq is None:
+        set_("seq", cfg.model_config.seq_len)
+
+
+def _validate(cfg: RunConfig) -> None:
+    for f in fields(cfg):
+        choices, value = f.metadata["choices"], getattr(cfg, f.name)
+        if choices and value is not None and value not in choices:
+            raise ConfigError(f"{f.name} is {value!r}{_suggest(str(value), map(str, choices))} "
+                              f"(choose one of {', '.join(map(str, choices))})")
+    for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch", "micro_batches", "seq", "steps"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    for name in ("warmup", "seed", "repeat"):
+        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be a non-negative integer, got {getattr(cfg, name)!r}")
+    if cfg.fault not in ("none", "raise", "hang", "oom") and not cfg.fault.startswith("sleep:"):
+        raise ConfigError(f"fault is {cfg.fault!r}; choose none, raise, hang, oom or sleep:MS")
+    if cfg.bucket_mb <= 0:
+        raise ConfigError(f"bucket_mb must be > 0, got {cfg.bucket_mb}")
+    if cfg.world_size is not None and cfg.world != cfg.world_size:
+        raise ConfigError(f"tp ({cfg.tp}) × pp ({cfg.pp}) × dp ({cfg.dp}) = {cfg.world}, "
+                          f"but world_size is {cfg.world_size}")
+    _validate_model_fit(cfg)
+    _validate_pipeline(cfg)
+    from bench.backends.registry import unsupported_reason
+    reason = unsupported_reason(cfg)
+    if reason:
+        raise ConfigError(reason)
+
+
+def _validate_model_fit(cfg: RunConfig) -> None:
+    m = cfg.model_config
+    for what, value in (("heads", m.heads), ("ffn_hidden", m.ffn_hidden), ("vocab", m.vocab)):
+        if value % cfg.tp:
+            raise ConfigError(f"model {what} ({value}) is not divisible by tp ({cfg.tp}); "
+                              f"pick tp from the divisors of {value}")
+    if cfg.seq > m.seq_len and m.position == "learned":
+        raise ConfigError(f"seq ({cfg.seq}) exceeds the model's seq_len ({m.seq_len})")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise ConfigError("sequence_parallel needs tp > 1 (it shards along the sequence within a tp group)")
+    if cfg.sequence_parallel and cfg.seq % cfg.tp:
+        raise ConfigError(f"sequence_parallel needs seq ({cfg.seq}) divisible by tp ({cfg.tp})")
+
+
+def _validate_pipeline(cfg: RunConfig) -> None:
+    m, chunks = cfg.model_config, cfg.pp * cfg.virtual_stages
+    if m.layers < chunks:
+        raise ConfigError(f"model layers ({m.layers}) < pp ({cfg.pp}) × virtual_stages ({cfg.virtual_stages}) "
+                          f"= {chunks}: every pipeline stage needs at least one layer")
+    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
+        raise ConfigError(f"virtual_stages ({cfg.virtual_stages}) > 1 needs schedule interleaved, "
+                          f"not {cfg.schedule}")
+    if cfg.schedule == "interleaved" and cfg.pp > 1:
+        if m.layers % chunks:
+            raise ConfigError(f"interleaved: model layers ({m.layers}) must be divisible by pp ({cfg.pp}) × "
+                              f"virtual_stages ({cfg.virtual_stages}) = {chunks}")
+        if cfg.micro_batches % cfg.pp:
+            raise ConfigError(f"interleaved: micro_batches ({cfg.micro_batches}) must be a multiple of "
+                              f"pp ({cfg.pp})")

@@ -1,0 +1,30 @@
+"""Synthetic, deterministic token batches.
+
+The global batch of a step is a pure function of (seed, step, shape): the same whatever the layout.
+Data-parallel rank r takes the r-th contiguous slice; the slice is then cut into micro-batches.
+Tokens follow a noisy affine recurrence, so the loss falls as the model learns it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def global_batch(seed: int, step: int, batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (batch, seq) int64; targets are inputs shifted by one token."""
+    gen = torch.Generator().manual_seed(seed * 7919 + step + 1)
+    start = torch.randint(0, vocab, (batch, 1), generator=gen)
+    noise = torch.randint(0, 3, (batch, seq), generator=gen)
+    tokens = [start[:, 0]]
+    for t in range(seq):
+        tokens.append((tokens[-1] * 5 + 7 + noise[:, t]) % vocab)
+    seqs = torch.stack(tokens, dim=1)  # (batch, seq + 1)
+    return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+
+def micro_batches(cfg, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of `step`: micro_batches × (micro_batch, seq)."""
+    x, y = global_batch(cfg.seed, step, cfg.global_batch, cfg.seq, cfg.model_config.vocab)
+    per_rank = cfg.micro_batch * cfg.micro_batches
+    lo = dp_rank * per_rank
+    x, y = x[lo:lo + per_rank], y[lo:lo + per_rank]
+    return list(zip(x.split(cfg.micro_batch), y.split(cfg.micro_batch)))

@@ -1,0 +1,1 @@
+"""Probes every backend is measured with: step timer, peak memory, communication counter, peak FLOP/s."""

@@ -1,0 +1,126 @@
+"""Communication counter: payload bytes and op counts per op and per parallel dimension.
+
+A TorchDispatchMode sees every c10d op whichever layer issued it: Python `dist.*`, DDP's C++
+reducer, FSDP, DTensor functional collectives, pipelining P2P, DeepSpeed. It costs ~50 % step
+time, so the worker counts one separate, untimed step.
+
+Payload convention (DESIGN.md): all-reduce → input; all-gather → output; reduce-scatter → input;
+P2P → sent bytes only (a recv is counted as an op with 0 bytes); broadcast → the tensor.
+Wire bytes are what a ring algorithm moves per rank: all-reduce 2(n−1)/n · S,
+all-gather and reduce-scatter (n−1)/n · S_full, broadcast and P2P S.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# c10d op → (kind, index of the tensor argument that carries the payload)
+_C10D = {
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+    "broadcast_": ("broadcast", 0), "reduce_": ("reduce", 0),
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "allgather_coalesced_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "alltoall_": ("all_to_all", 1), "alltoall_base_": ("all_to_all", 1),
+    "gather_": ("gather", 1), "scatter_": ("scatter", 1),
+    "send": ("send", 0), "recv_": ("recv", None), "recv_any_source_": ("recv", None),
+}
+_FUNCOL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+           "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+           "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+           "all_to_all_single": "all_to_all", "broadcast": "broadcast"}
+
+
+def _nbytes(x) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(x) if isinstance(t, torch.Tensor))
+
+
+def wire_bytes(kind: str, payload: int, n: int) -> float:
+    """Bytes one rank moves for `payload` under a ring algorithm in a group of n ranks."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * payload
+    if kind == "all_gather":  # payload is the gathered output
+        return (n - 1) / n * payload
+    if kind == "reduce_scatter":  # payload is the full input
+        return (n - 1) / n * payload
+    return float(payload)
+
+
+@dataclass
+class OpStats:
+    ops: int = 0
+    bytes: int = 0
+    wire_bytes: float = 0.0
+
+
+@dataclass
+class CommCounter(TorchDispatchMode):
+    """Counts every c10d op issued on this thread while active. `dim_of(ranks)` names a group."""
+
+    dim_of: callable = None
+    stats: dict = field(default_factory=lambda: defaultdict(OpStats))  # (dim, kind) → OpStats
+
+    def __post_init__(self):
+        super().__init__()
+        self._group_cache: dict[str, tuple[str, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func._overloadpacket.__name__
+        if ns == "c10d" and name in _C10D:
+            kind, idx = _C10D[name]
+            dim, n = self._group(args)
+            self._add(dim, kind, 0 if idx is None else _nbytes(args[idx]), n)
+        elif ns == "_c10d_functional" and name in _FUNCOL:
+            out = func(*args, **kwargs)
+            kind = _FUNCOL[name]
+            group_name = [a for a in args if isinstance(a, str)][-1]
+            dim, n = self._group_by_name(group_name)
+            self._add(dim, kind, _nbytes(out if kind == "all_gather" else args[0]), n)
+            return out
+        return func(*args, **kwargs)
+
+    def _add(self, dim, kind, payload, n):
+        s = self.stats[(dim, kind)]
+        s.ops += 1
+        s.bytes += payload
+        s.wire_bytes += wire_bytes(kind, payload, n)
+
+    def _group(self, args) -> tuple[str, int]:
+        for a in args:  # the group arrives as a ScriptObject; ReduceOp is one too and fails to unbox
+            if type(a).__name__ == "ScriptObject":
+                try:
+                    pg = dist.ProcessGroup.unbox(a)
+                except Exception:
+                    continue
+                return self._classify(pg.group_name, pg)
+        return "other", 1
+
+    def _group_by_name(self, group_name: str) -> tuple[str, int]:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return self._classify(group_name, _resolve_process_group(group_name))
+
+    def _classify(self, key: str, pg) -> tuple[str, int]:
+        if key not in self._group_cache:
+            ranks = dist.get_process_group_ranks(pg)
+            self._group_cache[key] = (self.dim_of(ranks) if self.dim_of else "other", len(ranks))
+        return self._group_cache[key]
+
+    def totals(self) -> dict[str, float]:
+        """Row columns: comm_bytes_<dim>, comm_wire_bytes_<dim>, comm_ops_<dim>, comm_<dim>_<kind>_bytes."""
+        out: dict[str, float] = defaultdict(float)
+        for (dim, kind), s in self.stats.items():
+            out[f"comm_bytes_{dim}"] += s.bytes
+            out[f"comm_wire_bytes_{dim}"] += s.wire_bytes
+            out[f"comm_ops_{dim}"] += s.ops
+            out[f"comm_{dim}_{kind}_bytes"] += s.bytes
+            out[f"comm_{dim}_{kind}_ops"] += s.ops
+        return dict(out)

@@ -1,0 +1,30 @@
+"""The peak FLOP/s that MFU is measured against: the device table on GPU, a measured matmul on CPU."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.analysis.hardware import dtype_key, profile_for_device
+
+
+def cpu_peak_flops(n: int = 256, seconds: float = 0.3) -> float:
+    """FLOP/s of this process's threads on a square fp32 matmul (what one rank can reach)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s per device, where it came from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        hw = profile_for_device(name)
+        if hw:
+            return hw.peak_flops[dtype_key(dtype)], f"table:{hw.name}"
+        return float("nan"), f"unknown device {name}"
+    return cpu_peak_flops(), "measured:cpu-matmul-fp32"

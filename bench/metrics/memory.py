@@ -1,0 +1,67 @@
+"""Memory probes: the step peak per rank and the persistent model-state bytes.
+
+CUDA: `max_memory_allocated` after a reset, minus what was allocated before the steps.
+CPU: there is no allocator statistic, so the kernel's RSS high-water mark (VmHWM) is reset through
+/proc/self/clear_refs before the timed steps and read after them; the peak is VmHWM minus the RSS
+before. It is repeatable only with glibc's heap returned to the OS (MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_ set before Python starts: `MALLOC_ENV`, set by the launchers).
+"""
+from __future__ import annotations
+
+import torch
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakMemory:
+    """Context manager: `.peak_bytes` is the memory added at the peak of the enclosed steps."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak_bytes = device, 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._base = _status_bytes("VmRSS:")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self.peak_bytes = max(_status_bytes("VmHWM:") - self._base, 0)
+        return False
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages (shared views and tied weights count once); DTensors by local shard."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = getattr(t, "_local_tensor", t)
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen and storage.nbytes() > 0:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer) -> list:
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]

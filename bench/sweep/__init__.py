@@ -1,0 +1,1 @@
+"""Sweep runner: YAML grids → RunConfigs → launchers → results store."""

@@ -1,0 +1,139 @@
+"""GPT model configuration, named presets, exact parameter and FLOP counts.
+
+FLOP convention (the one place it is written; `bench` and the README quote it):
+model FLOPs per token for one training step (forward + backward = 3 × forward) are
+    6 · (weights of every matmul: QKV, attention output, MLP, LM head)
+  + 12 · layers · hidden · seq          (attention scores QKᵀ and the weighted sum of V)
+Attention is counted non-causal (the full s×s product, as Megatron and PaLM count it);
+embedding lookups, norms, biases, softmax and activations are not counted; recomputation
+is not counted (model FLOPs, not hardware FLOPs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A GPT-style decoder. Every backend trains exactly this definition."""
+
+    name: str = "custom"
+    vocab: int = 256
+    """Vocabulary size (tokens)."""
+    seq_len: int = 32
+    """Maximum sequence length (learned position table size)."""
+    layers: int = 4
+    """Number of transformer blocks."""
+    hidden: int = 64
+    """Model width h."""
+    heads: int = 4
+    """Attention heads; hidden must be divisible by heads."""
+    ffn_hidden: int = 256
+    """MLP inner width (per branch for swiglu)."""
+    norm: str = "layernorm"
+    activation: str = "gelu"
+    position: str = "learned"
+    bias: bool = False
+    """Biases in the linear layers (GPT-2 has them, Llama does not)."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the LM head."""
+
+    def __post_init__(self):
+        for name in ("vocab", "seq_len", "layers", "hidden", "heads", "ffn_hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"model.hidden ({self.hidden}) must be divisible by model.heads ({self.heads})")
+        for name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS), ("position", POSITIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model.{name} is {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def with_overrides(self, **overrides) -> "GPTConfig":
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown model field(s) {unknown}; known: {sorted(known - {'name'})}")
+        return replace(self, **overrides)
+
+
+def _gpt2(name, layers, hidden, heads):
+    return GPTConfig(name=name, vocab=50304, seq_len=1024, layers=layers, hidden=hidden, heads=heads,
+                     ffn_hidden=4 * hidden, bias=True, tie_embeddings=True)
+
+
+def _llama(name, layers, hidden, heads, ffn):
+    return GPTConfig(name=name, vocab=32000, seq_len=4096, layers=layers, hidden=hidden, heads=heads,
+                     ffn_hidden=ffn, norm="rmsnorm", activation="swiglu", position="rope")
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # CPU tests: small enough for 8 ranks on 2 cores.
+    "tiny": GPTConfig(name="tiny", vocab=256, seq_len=32, layers=4, hidden=64, heads=4, ffn_hidden=256),
+    # CPU benchmarks: big enough that compute dominates start-up.
+    "small": GPTConfig(name="small", vocab=4096, seq_len=128, layers=4, hidden=256, heads=8, ffn_hidden=1024),
+    "gpt2-124m": _gpt2("gpt2-124m", 12, 768, 12),
+    "gpt2-1.5b": _gpt2("gpt2-1.5b", 48, 1600, 25),
+    "llama2-7b": _llama("llama2-7b", 32, 4096, 32, 11008),
+    # Llama-2-70B uses grouped-query attention (8 KV heads); this suite's fused QKV is full
+    # multi-head, so its attention has ~1.6 B more parameters than the published 69 B.
+    "llama2-70b": _llama("llama2-70b", 80, 8192, 64, 28672),
+    "gpt3-175b": GPTConfig(name="gpt3-175b", vocab=50304, seq_len=2048, layers=96, hidden=12288, heads=96,
+                           ffn_hidden=4 * 12288, bias=True, tie_embeddings=True),
+}
+
+
+def get_preset(name: str) -> GPTConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+
+
+def block_params(cfg: GPTConfig) -> int:
+    """Parameters of one transformer block."""
+    h, f, b = cfg.hidden, cfg.ffn_hidden, cfg.bias
+    attn = h * 3 * h + (3 * h if b else 0) + h * h + (h if b else 0)
+    up = 2 * f if cfg.activation == "swiglu" else f
+    mlp = h * up + (up if b else 0) + f * h + (h if b else 0)
+    norms = 2 * _norm_params(cfg)
+    return attn + mlp + norms
+
+
+def _norm_params(cfg: GPTConfig) -> int:
+    return cfg.hidden * (2 if cfg.norm == "layernorm" else 1)
+
+
+def embedding_params(cfg: GPTConfig) -> int:
+    """Token table plus the learned position table."""
+    return cfg.vocab * cfg.hidden + (cfg.seq_len * cfg.hidden if cfg.position == "learned" else 0)
+
+
+def head_params(cfg: GPTConfig) -> int:
+    """Final norm plus the LM head (zero extra weights when tied to the embedding)."""
+    return _norm_params(cfg) + (0 if cfg.tie_embeddings else cfg.vocab * cfg.hidden)
+
+
+def count_params(cfg: GPTConfig) -> int:
+    """Exact number of trainable parameters of `models.GPT(cfg)`."""
+    return embedding_params(cfg) + cfg.layers * block_params(cfg) + head_params(cfg)
+
+
+def matmul_params(cfg: GPTConfig) -> int:
+    """Weights that take part in a matmul per token: block linears plus the LM head."""
+    h, f = cfg.hidden, cfg.ffn_hidden
+    up = 2 * f if cfg.activation == "swiglu" else f
+    return cfg.layers * (4 * h * h + h * up + f * h) + cfg.vocab * h
+
+
+def flops_per_token(cfg: GPTConfig, seq: int | None = None) -> int:
+    """Training FLOPs per token (forward + backward), by the convention in this module's docstring."""
+    seq = cfg.seq_len if seq is None else seq
+    return 6 * matmul_params(cfg) + 12 * cfg.layers * cfg.hidden * seq

@@ -1,0 +1,49 @@
+"""RunConfig validation: every impossible config fails with a message naming its fields."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.config import ConfigError, RunConfig
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tp=3), r"heads \(4\) is not divisible by tp \(3\)"),
+    (dict(pp=5), r"layers \(4\) < pp \(5\)"),
+    (dict(tp=2, world_size=8), r"tp \(2\) × pp \(1\) × dp \(1\) = 2, but world_size is 8"),
+    (dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=3), r"micro_batches \(3\) must be a multiple of pp"),
+    (dict(pp=2, schedule="interleaved", virtual_stages=3), r"layers \(4\) < pp \(2\) × virtual_stages \(3\)"),
+    (dict(virtual_stages=2), "needs schedule interleaved"),
+    (dict(backend="deepspeed", pp=2, zero=2), "incompatible with pipeline parallel"),
+    (dict(backend="ddp", tp=2), "data parallel only"),
+    (dict(fsdp="full"), "applies to backend fsdp only"),
+    (dict(backend="fsdp", fsdp="ful"), r"did you mean 'full'"),
+    (dict(backend="nccl"), "backend is 'nccl'"),
+    (dict(micro_batch=0), "micro_batch must be a positive integer"),
+    (dict(seq=64), r"seq \(64\) exceeds"),
+    (dict(sequence_parallel=True), "needs tp > 1"),
+    (dict(model="gpt5"), "unknown model preset 'gpt5'"),
+    (dict(model_overrides=("layerz=2",)), "unknown model field"),
+    (dict(dtype="fp16-mixed", device="cpu"), "fp16-mixed is not supported on cpu"),
+])
+def test_bad_configs_name_the_fields(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**kwargs)
+
+
+def test_run_id_stable_and_repeat_aware():
+    a, b = RunConfig(tp=2, dp=2), RunConfig(dp=2, tp=2)
+    assert a.run_id == b.run_id and len(a.run_id) == 12
+    assert a.replace(repeat=1).run_id != a.run_id and a.replace(repeat=1).config_id == a.config_id
+    assert a.replace(timeout_s=5).run_id == a.run_id  # limits do not change what is measured
+    assert RunConfig.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+
+
+def test_cli_bad_input_is_one_line_exit_2():
+    out = subprocess.run([sys.executable, "-m", "bench.cli", "run", "--tp", "3", "--json"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["error: model heads (4) is not divisible by tp (3); "
+                                               "pick tp from the divisors of 4"]
+    assert "Traceback" not in out.stderr and out.stdout == ""

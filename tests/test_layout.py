@@ -1,0 +1,66 @@
+"""Pure rank maths: hand-written golden groups, and invariants on layouts up to thousands of ranks."""
+import itertools
+
+import pytest
+
+from bench.layout import Coord, Layout
+
+
+def test_64_gpu_example_default_order():
+    lay = Layout(tp=4, pp=4, dp=4, gpus_per_node=8)
+    assert [lay.rank(dp=0, pp=0, tp=t) for t in range(4)] == [0, 1, 2, 3]  # stage 0 of replica 0
+    assert [lay.rank(dp=0, pp=1, tp=t) for t in range(4)] == [4, 5, 6, 7]  # its stage 1
+    assert [lay.rank(dp=1, pp=0, tp=t) for t in range(4)] == [16, 17, 18, 19]  # stage 0 of replica 1
+    assert lay.coords(17) == Coord(dp=1, pp=0, tp=1)
+    assert lay.groups("tp")[:3] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert lay.groups("pp")[0] == [0, 4, 8, 12]
+    assert lay.groups("dp")[0] == [0, 16, 32, 48]
+    assert lay.crossing_groups("tp") == []
+    assert len(lay.crossing_groups("pp")) == 16 and len(lay.crossing_groups("dp")) == 16
+
+
+def test_megatron_order_tp_dp_pp():
+    # Megatron's docstring example: 16 GPUs, tp=2, pp=4, dp=2.
+    lay = Layout(tp=2, pp=4, dp=2, order="tp-dp-pp")
+    assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert lay.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert lay.groups("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+
+
+def test_small_layouts_by_hand():
+    lay = Layout(tp=2, pp=2, dp=2)
+    assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert Layout(tp=1, pp=1, dp=4).groups("dp") == [[0, 1, 2, 3]]
+
+
+def test_tp_crossing_nodes():
+    lay = Layout(tp=16, pp=2, dp=2, gpus_per_node=8)
+    assert lay.crossing_groups("tp") == lay.groups("tp")
+    assert lay.node(15) == 1 and lay.nodes() == 8
+
+
+@pytest.mark.parametrize("order", ["tp-pp-dp", "tp-dp-pp"])
+@pytest.mark.parametrize("tp,pp,dp", [(8, 16, 32), (4, 8, 128), (1, 1, 4096), (8, 1, 512), (2, 3, 5)])
+def test_partition_invariants_large(order, tp, pp, dp):
+    lay = Layout(tp=tp, pp=pp, dp=dp, order=order)
+    for dim in ("tp", "pp", "dp"):
+        groups = lay.groups(dim)
+        assert len(groups) == lay.world_size // getattr(lay, dim)
+        assert sorted(itertools.chain(*groups)) == list(range(lay.world_size))  # a partition
+    for r in range(0, lay.world_size, max(1, lay.world_size // 257)):
+        c = lay.coords(r)
+        assert lay.rank(**c._asdict()) == r
+        for dim in ("tp", "pp", "dp"):
+            assert r in lay.group_of(r, dim) and len(lay.group_of(r, dim)) == getattr(lay, dim)
+    assert all(g == list(range(g[0], g[0] + tp)) for g in lay.groups("tp"))  # tp is always fastest
+
+
+def test_bad_layout_messages():
+    with pytest.raises(ValueError, match="tp must be a positive integer"):
+        Layout(tp=0)
+    with pytest.raises(ValueError, match="order"):
+        Layout(order="dp-tp-pp")
+    with pytest.raises(ValueError, match="outside world size"):
+        Layout(tp=2).coords(2)

@@ -1,0 +1,52 @@
+"""Real multi-process runs through the local launcher (gloo)."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from bench.config import RunConfig
+
+REQUIRED = ["status", "backend", "tp", "pp", "dp", "world_size", "model", "params", "step_time_s", "tokens_per_s",
+            "mfu", "peak_mem_bytes", "persistent_bytes", "comm_bytes_tp", "comm_bytes_pp", "comm_bytes_dp",
+            "comm_wire_bytes_tp", "comm_wire_bytes_pp", "comm_wire_bytes_dp", "loss_first", "loss_last", "run_id"]
+
+
+def test_bench_run_cli_prints_one_json_row():
+    out = subprocess.run([sys.executable, "-m", "bench.cli", "run", "--model", "tiny", "--backend", "native",
+                          "--tp", "1", "--pp", "1", "--dp", "1", "--steps", "5", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)  # exactly one JSON object on stdout
+    for key in REQUIRED:
+        assert key in row, key
+    for f in RunConfig.__dataclass_fields__:
+        assert f in row, f
+    assert row["status"] == "ok" and row["params"] == 232576
+    assert row["loss_last"] < row["loss_first"]
+    assert row["comm_bytes_dp"] == 0 and row["persistent_bytes"] == 4 * 232576 * 4  # p + g + 2 Adam moments
+    assert 0 < row["mfu"] < 1 and row["tokens_per_s"] > 0
+
+
+def test_two_ranks_average_gradients_like_one_rank(pools):
+    one = pools(1).run(RunConfig(micro_batch=4, steps=3))
+    two = pools(2).run(RunConfig(dp=2, micro_batch=2, steps=3))
+    assert one["status"] == two["status"] == "ok", (one.get("error"), two.get("error"))
+    assert math.isclose(one["loss_last"], two["loss_last"], rel_tol=1e-5)
+    grads = 232576 * 4
+    assert two["comm_bytes_dp"] == grads and two["comm_wire_bytes_dp"] == grads  # ring: 2(n-1)/n = 1 at n=2
+    assert json.loads(two["peak_mem_bytes_per_rank"]).__len__() == 2
+
+
+@pytest.mark.parametrize("fault,status", [("raise", "failed"), ("oom", "oom")])
+def test_failing_rank_is_reported_not_hung(pools, fault, status):
+    row = pools(2).run(RunConfig(dp=2, steps=2, fault=fault, timeout_s=120))
+    assert row["status"] == status
+    assert row["failed_rank"] == 1 and "injected fault" in row["error"]
+
+
+def test_hung_rank_times_out_and_pool_recovers(pools):
+    row = pools(2).run(RunConfig(dp=2, steps=2, fault="hang", timeout_s=8))
+    assert row["status"] == "timeout" and "timeout_s=8" in row["error"]
+    assert pools(2).run(RunConfig(dp=2, steps=2))["status"] == "ok"
