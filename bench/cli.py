@@ -78,6 +78,18 @@ def _print_row(row: dict) -> None:
                    f"{row.get(f'comm_ops_{dim}', 0):.0f} ops")
 
 
+def _register_groups() -> None:
+    """One module per command group; each lists its click commands in COMMANDS (imports stay light)."""
+    from bench.analysis.commands import COMMANDS as analysis
+    from bench.report.commands import COMMANDS as report
+    from bench.sweep.commands import COMMANDS as sweep
+    for command in (*sweep, *report, *analysis):
+        app.add_command(command)
+
+
+_register_groups()
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)
