@@ -1,0 +1,176 @@
+"""Regression gate: compare a current result set with a baseline, config by config.
+
+Statistics live in one pure function, `judge`, so a test can feed it numbers by hand. Everything else
+groups rows (repeats of a config share `config_id`) and formats the verdicts.
+
+* exact metrics (parameter counts, state bytes, communication bytes and ops, predictions) are
+  deterministic for a config: any difference is a `changed` verdict, a failure;
+* noisy metrics (step time, tokens/s, measured peak memory, measured bubble) regress only when the
+  current median is worse than the baseline median by more than the threshold (default 5 %) AND by
+  more than the noise: the larger spread (max − min) of the two sides' repeats. One run per side has
+  no spread, so it compares by the threshold alone.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import pandas as pd
+
+from bench.report.labels import config_label
+
+DEFAULT_THRESHOLD = 0.05
+
+# name: (kind, higher_is_better, unit)
+NOISY = {
+    "step_time_s": (False, "s"),
+    "tokens_per_s": (True, "tokens/s"),
+    "peak_mem_bytes": (False, "B"),
+    "bubble_fraction": (False, ""),
+}
+EXACT = ("params", "params_bytes", "grads_bytes", "optimizer_bytes", "persistent_bytes",
+         *(f"comm_{what}_{dim}" for what in ("bytes", "wire_bytes", "ops") for dim in ("tp", "pp", "dp")))
+FAILED_VERDICTS = ("changed", "regressed", "failed")
+
+
+@dataclass(frozen=True)
+class Judgement:
+    verdict: str  # equal | changed | ok | regressed | improved | no data
+    base: float | None
+    current: float | None
+    change: float | None  # (current − base) / |base|
+    noise: float | None  # larger max − min spread of the repeats, in the metric's unit
+    limit: float | None  # how much worse the current may be before it regresses
+
+
+def judge(base, current, *, exact: bool, higher_is_better: bool = False,
+          threshold: float = DEFAULT_THRESHOLD) -> Judgement:
+    """Verdict for one metric of one config from the baseline's and the current repeats' values."""
+    base = [float(v) for v in base if _finite(v)]
+    current = [float(v) for v in current if _finite(v)]
+    if not base or not current:
+        return Judgement("no data", _median(base), _median(current), None, None, None)
+    b, c = statistics.median(base), statistics.median(current)
+    change = (c - b) / abs(b) if b else (0.0 if c == b else math.inf)
+    if exact:
+        same = math.isclose(b, c, rel_tol=1e-9, abs_tol=1e-9)
+        return Judgement("equal" if same else "changed", b, c, change, 0.0, 0.0)
+    noise = max(_spread(base), _spread(current))
+    limit = max(threshold * abs(b), noise)
+    worse_by = (b - c) if higher_is_better else (c - b)  # > 0: current is worse
+    verdict = "regressed" if worse_by > limit else "improved" if -worse_by > limit else "ok"
+    return Judgement(verdict, b, c, change, noise, limit)
+
+
+@dataclass
+class Comparison:
+    rows: list[dict] = field(default_factory=list)  # one per config × metric
+    new: list[dict] = field(default_factory=list)  # configs only in current
+    missing: list[dict] = field(default_factory=list)  # configs only in the baseline
+    notes: list[str] = field(default_factory=list)
+    exact_only: bool = False
+
+    @property
+    def failures(self) -> list[dict]:
+        return [r for r in self.rows if r["gated"] and r["verdict"] in FAILED_VERDICTS]
+
+    @property
+    def regressed(self) -> bool:
+        return bool(self.failures)
+
+    def to_dict(self) -> dict:
+        return {"regressed": self.regressed, "exact_only": self.exact_only, "failures": len(self.failures),
+                "notes": self.notes, "new": self.new, "missing": self.missing, "rows": self.rows}
+
+
+def compare(base: pd.DataFrame, current: pd.DataFrame, thresholds: dict[str, float] | None = None,
+            default_threshold: float = DEFAULT_THRESHOLD, exact_only: bool = False) -> Comparison:
+    """Match configs by config_id (repeats aggregated) and judge every metric present on both sides."""
+    thresholds = thresholds or {}
+    unknown = sorted(set(thresholds) - set(NOISY))
+    if unknown:
+        raise ValueError(f"threshold for unknown noisy metric(s) {', '.join(unknown)}; "
+                         f"noisy metrics are {', '.join(NOISY)}")
+    out = Comparison(exact_only=exact_only)
+    b_groups, c_groups = _groups(base), _groups(current)
+    for cid in sorted(set(c_groups) - set(b_groups)):
+        out.new.append(_describe(c_groups[cid]))
+    for cid in sorted(set(b_groups) - set(c_groups)):
+        out.missing.append(_describe(b_groups[cid]))
+    exact_cols = _exact_columns(base, current)
+    for cid in sorted(set(b_groups) & set(c_groups)):
+        out.rows.extend(_compare_config(b_groups[cid], c_groups[cid], exact_cols, thresholds,
+                                        default_threshold, exact_only))
+    return out
+
+
+def _compare_config(b: pd.DataFrame, c: pd.DataFrame, exact_cols, thresholds, default, exact_only) -> list[dict]:
+    info = _describe(c)
+    b_ok, c_ok = b[b["status"] == "ok"], c[c["status"] == "ok"]
+    if b_ok.empty and c_ok.empty:
+        return []  # failing or skipped on both sides: nothing measured to compare
+    if c_ok.empty or b_ok.empty:
+        verdict = "failed" if c_ok.empty else "fixed"
+        error = _first_error(c if c_ok.empty else b)
+        return [{**info, "metric": "status", "kind": "status", "verdict": verdict, "gated": verdict == "failed",
+                 "base": _statuses(b), "current": _statuses(c), "change": None, "noise": None, "limit": None,
+                 "threshold": None, "error": error}]
+    rows = []
+    for metric in exact_cols:
+        if metric in b_ok and metric in c_ok:
+            j = judge(b_ok[metric], c_ok[metric], exact=True)
+            rows.append({**info, "metric": metric, "kind": "exact", "gated": True, "threshold": 0.0, **asdict(j)})
+    for metric, (higher, _unit) in NOISY.items():
+        if metric in b_ok and metric in c_ok:
+            threshold = thresholds.get(metric, default)
+            j = judge(b_ok[metric], c_ok[metric], exact=False, higher_is_better=higher, threshold=threshold)
+            if j.verdict != "no data":
+                rows.append({**info, "metric": metric, "kind": "noisy", "gated": not exact_only,
+                             "threshold": threshold, **asdict(j)})
+    return rows
+
+
+def _exact_columns(base: pd.DataFrame, current: pd.DataFrame) -> list[str]:
+    preds = sorted(c for c in set(base.columns) | set(current.columns) if c.startswith("pred_"))
+    return [c for c in (*EXACT, *preds) if c in base.columns or c in current.columns]
+
+
+def _groups(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    key = "config_id" if "config_id" in df.columns else "run_id"
+    return {str(k): g for k, g in df.groupby(df[key].fillna(df["run_id"]), sort=True)}
+
+
+def _describe(group: pd.DataFrame) -> dict:
+    row = group.iloc[0].to_dict()
+    return {"config_id": str(row.get("config_id", row["run_id"])), "run_id": str(row["run_id"]),
+            "label": config_label(row), "repeats": int(len(group)), "status": _statuses(group)}
+
+
+def _statuses(group: pd.DataFrame) -> str:
+    counts = group["status"].value_counts()
+    return ", ".join(f"{n}×{s}" if n > 1 else str(s) for s, n in counts.items())
+
+
+def _first_error(group: pd.DataFrame) -> str | None:
+    if "error" not in group:
+        return None
+    for value in group["error"]:
+        if isinstance(value, str) and value.strip():
+            return value.strip().splitlines()[-1][:200]
+    return None
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _spread(values: list[float]) -> float:
+    return max(values) - min(values) if len(values) > 1 else 0.0
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None

@@ -1,0 +1,258 @@
+"""The report's figures: each function takes the results dataframe and returns a matplotlib Figure,
+or a string saying why the panel is empty (the report prints it in the figure's place).
+
+Conventions: seaborn's colour-blind palette for categories, viridis for the heatmap, MiB for bytes,
+error bars are the min–max range over repeats of one config.
+"""
+from __future__ import annotations
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from bench.report.labels import MiB, add_labels  # noqa: E402
+
+PALETTE = "colorblind"
+MAX_BARS = 16  # configs per breakdown figure: the best by tokens/s (more is unreadable)
+PRED_MEMORY = {"params": ("pred_params_bytes", "pred_param_bytes"),
+               "grads": ("pred_grads_bytes", "pred_grad_bytes"),
+               "optimizer": ("pred_optimizer_bytes", "pred_optim_bytes"),
+               "activations": ("pred_activation_bytes", "pred_activations_bytes")}
+
+
+def theme() -> None:
+    sns.set_theme(style="whitegrid", context="notebook", palette=PALETTE, font_scale=0.95)
+    plt.rcParams.update({"figure.dpi": 100, "savefig.dpi": 110, "axes.titleweight": "bold"})
+
+
+def ok_runs(df: pd.DataFrame, *needed: str) -> pd.DataFrame:
+    """Successful runs that carry every `needed` metric (as numbers), with label columns."""
+    if "status" not in df:
+        return df.iloc[0:0]
+    ok = df[df["status"] == "ok"].copy()
+    for col in needed:
+        if col not in ok:
+            return ok.iloc[0:0]
+        ok[col] = pd.to_numeric(ok[col], errors="coerce")
+        ok = ok[ok[col].notna()]
+    return add_labels(ok) if not ok.empty else ok
+
+
+def per_config(ok: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
+    """One row per config: the mean of `metrics` over repeats, the first repeat's other columns."""
+    key = "config_id" if "config_id" in ok else "run_id"
+    first = ok.groupby(key, sort=False).head(1).set_index(key)
+    means = ok.groupby(key, sort=False)[metrics].mean()
+    first[metrics] = means
+    first["repeats"] = ok.groupby(key, sort=False).size()
+    return first.reset_index()
+
+
+# --- throughput heatmap -------------------------------------------------------------------------
+def throughput_heatmap(df: pd.DataFrame):
+    ok = ok_runs(df, "tokens_per_s", "tp", "pp", "dp")
+    if ok.empty:
+        return "no successful run with a tokens_per_s measurement"
+    configs = per_config(ok, ["tokens_per_s"])
+    by_dp = configs.groupby(["variant", "tp", "pp"])["dp"].nunique().max() > 1
+    panels = sorted(configs.groupby(["variant", "dp"] if by_dp else ["variant"]).groups)
+    ncols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols + 1.2, 3.1 * nrows + 0.6), squeeze=False)
+    vmax = configs["tokens_per_s"].max()
+    for ax, panel in zip(axes.flat, panels):
+        panel = panel if isinstance(panel, tuple) else (panel,)
+        sub = configs[configs["variant"] == panel[0]]
+        if by_dp:
+            sub = sub[sub["dp"] == panel[1]]
+        _heatmap_panel(ax, sub, vmax, title=panel[0] + (f", dp={panel[1]}" if by_dp else ""))
+    for i, ax in enumerate(axes.flat):
+        ax.set_visible(i < len(panels))
+        if i % ncols:
+            ax.set_ylabel("")
+    fig.colorbar(axes[0, 0].collections[0], ax=axes, shrink=0.8, label="tokens/s (best config of the cell)")
+    fig.suptitle("Throughput over tensor × pipeline parallel size", fontweight="bold")
+    return fig
+
+
+def _heatmap_panel(ax, sub: pd.DataFrame, vmax: float, title: str) -> None:
+    best = sub.sort_values("tokens_per_s").groupby(["pp", "tp"]).tail(1)  # best option set per cell
+    values = best.pivot(index="pp", columns="tp", values="tokens_per_s")
+    dps = best.pivot(index="pp", columns="tp", values="dp")
+    text = values.copy().astype(object)
+    for (pp, tp), v in values.stack().items():
+        text.loc[pp, tp] = f"{_si(v)}\ndp{int(dps.loc[pp, tp])}"
+    sns.heatmap(values, ax=ax, annot=text.fillna(""), fmt="", cmap="viridis", vmin=0, vmax=vmax, cbar=False,
+                linewidths=1, linecolor="white", annot_kws={"fontsize": 9})
+    ax.invert_yaxis()
+    ax.set(title=title, xlabel="tp (tensor-parallel size)", ylabel="pp (pipeline stages)")
+
+
+# --- backend comparison -------------------------------------------------------------------------
+def backend_comparison(df: pd.DataFrame):
+    ok = ok_runs(df, "tokens_per_s", "world_size")
+    if ok.empty:
+        return "no successful run with a tokens_per_s measurement"
+    ok = _best_config_runs(ok)
+    ok["tokens_k"] = ok["tokens_per_s"] / 1e3
+    mem_cols = [c for c in ("persistent_bytes", "peak_mem_bytes") if c in ok]
+    ok["mem_mib"] = sum(pd.to_numeric(ok[c], errors="coerce").fillna(0) for c in mem_cols) / MiB if mem_cols else np.nan
+    worlds = sorted(ok["world_size"].unique())[-4:]  # the largest four world sizes
+    hue_order = sorted(ok["variant"].unique())
+    fig, axes = plt.subplots(2, len(worlds), figsize=(max(6.0, 4.2 * len(worlds)), 7.2), squeeze=False)
+    for col, world in enumerate(worlds):
+        sub = ok[ok["world_size"] == world].sort_values("layout")
+        for row, (y, label) in enumerate((("tokens_k", "thousand tokens/s"),
+                                         ("mem_mib", "peak memory per rank (MiB)"))):
+            ax = axes[row, col]
+            sns.barplot(sub, x="layout", y=y, hue="variant", hue_order=hue_order, ax=ax, errorbar=("pi", 100),
+                        capsize=0.15, err_kws={"linewidth": 1.2}, legend=(row == 0 and col == len(worlds) - 1))
+            ax.set(xlabel="layout" if row else "", ylabel=label, title=f"world size {int(world)}" if not row else "")
+            ax.tick_params(axis="x", rotation=30)
+    if axes[0, -1].get_legend():
+        sns.move_legend(axes[0, -1], "upper left", bbox_to_anchor=(1.0, 1.0), title="backend")
+    fig.suptitle("Backends at equal world size (bars: mean over repeats, whiskers: min–max)", fontweight="bold")
+    fig.text(0.01, 0.005, "memory = model state (params + grads + optimizer) + measured step peak, max over ranks",
+             fontsize=8, color="0.35")
+    fig.tight_layout(rect=(0, 0.02, 1, 0.97))
+    return fig
+
+
+def _best_config_runs(ok: pd.DataFrame) -> pd.DataFrame:
+    """Per world size, variant and layout: every repeat of the config with the best mean tokens/s."""
+    key = "config_id" if "config_id" in ok else "run_id"
+    means = ok.groupby(key)["tokens_per_s"].transform("mean")
+    ok = ok.assign(_mean=means)
+    best = ok.sort_values("_mean").groupby(["world_size", "variant", "layout"])[key].last()
+    return ok[ok[key].isin(best.values)].drop(columns="_mean")
+
+
+# --- memory breakdown ---------------------------------------------------------------------------
+def memory_breakdown(df: pd.DataFrame):
+    ok = ok_runs(df, "params_bytes", "tokens_per_s")
+    if ok.empty:
+        return "no successful run with measured model-state bytes (params_bytes)"
+    pred_cols = {part: next((c for c in names if c in ok), None) for part, names in PRED_MEMORY.items()}
+    have_pred = any(pred_cols.values())
+    measured = {"params": "params_bytes", "grads": "grads_bytes", "optimizer": "optimizer_bytes",
+                "activations": "peak_mem_bytes"}
+    configs = _top_configs(per_config(ok, [c for c in [*measured.values(), *filter(None, pred_cols.values())]
+                                            if c in ok]))
+    bars = {"measured": measured}
+    if have_pred:
+        bars["predicted"] = pred_cols
+    fig = _stacked_pairs(configs, bars, unit=MiB, xlabel="MiB per rank (max over ranks)",
+                         legend_names={"activations": "activations (measured: step peak)"})
+    note = "" if have_pred else "  — no predictions in these rows (pred_* columns absent)"
+    fig.suptitle(f"Memory per rank: measured vs predicted{note}", fontweight="bold", fontsize=11)
+    return fig
+
+
+# --- communication ------------------------------------------------------------------------------
+def comm_breakdown(df: pd.DataFrame):
+    ok = ok_runs(df, "tokens_per_s")
+    ok = ok[pd.to_numeric(ok.get("world_size", 1), errors="coerce").fillna(1) > 1] if not ok.empty else ok
+    measured = {dim: f"comm_bytes_{dim}" for dim in ("tp", "pp", "dp")}
+    if ok.empty or not any(c in ok for c in measured.values()):
+        return "no successful multi-rank run with communication counts (comm_bytes_tp/pp/dp)"
+    predicted = {dim: f"pred_comm_bytes_{dim}" for dim in ("tp", "pp", "dp")}
+    have_pred = any(c in ok for c in predicted.values())
+    cols = [c for c in (*measured.values(), *predicted.values()) if c in ok]
+    for c in cols:
+        ok[c] = pd.to_numeric(ok[c], errors="coerce")
+    configs = _top_configs(per_config(ok, cols))
+    bars = {"measured": measured, **({"predicted": predicted} if have_pred else {})}
+    fig = _stacked_pairs(configs, bars, unit=MiB, xlabel="MiB per optimizer step (payload, mean over ranks)",
+                         legend_names={d: f"{d} group" for d in measured})
+    note = "" if have_pred else "  — no predictions in these rows (pred_comm_bytes_* absent)"
+    fig.suptitle(f"Communication per step by group: measured vs predicted{note}", fontweight="bold", fontsize=11)
+    return fig
+
+
+def _top_configs(configs: pd.DataFrame) -> pd.DataFrame:
+    return configs.sort_values("tokens_per_s", ascending=False).head(MAX_BARS).iloc[::-1]
+
+
+def _stacked_pairs(configs: pd.DataFrame, bars: dict[str, dict], unit: float, xlabel: str, legend_names: dict):
+    """Horizontal stacked bars: per config one bar per source (measured / predicted), stacked by part."""
+    parts = list(next(iter(bars.values())))
+    colors = dict(zip(parts, sns.color_palette(PALETTE, len(parts))))
+    n, height = len(configs), 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.42 * n * len(bars)))
+    for b, (source, columns) in enumerate(bars.items()):
+        y = np.arange(n) - 0.4 + height * (b + 0.5)
+        left = np.zeros(n)
+        for part in parts:
+            col = columns.get(part)
+            values = (configs[col].fillna(0).to_numpy(float) / unit) if col and col in configs else np.zeros(n)
+            ax.barh(y, values, height * 0.92, left=left, color=colors[part], hatch="//" if b else None,
+                    edgecolor="white" if not b else "0.25", linewidth=0.5,
+                    label=legend_names.get(part, part) if b == 0 else None)
+            left += values
+        for yi, total in zip(y, left):
+            ax.text(total, yi, f" {total:.2f} {source}", va="center", fontsize=7.5, color="0.25")
+    ax.set_yticks(np.arange(n), configs["label"])
+    ax.set_xlabel(xlabel)
+    ax.margins(x=0.18)
+    handles, labels = ax.get_legend_handles_labels()
+    if len(bars) > 1:
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="0.25", hatch="//"))
+        labels.append("predicted (hatched)")
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
+# --- pipeline bubble ----------------------------------------------------------------------------
+def bubble_curve(df: pd.DataFrame):
+    runs = ok_runs(df, "pp", "micro_batches")
+    runs = runs[runs["pp"] > 1] if not runs.empty else runs
+    if runs.empty:
+        return "no successful pipeline run (pp > 1) in these results"
+    measured = "bubble_fraction" in runs and pd.to_numeric(runs["bubble_fraction"], errors="coerce").notna().any()
+    predicted = "pred_bubble_fraction" in runs
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    m_max = max(16, int(runs["micro_batches"].max()) * 2)
+    m = np.arange(1, m_max + 1)
+    for p in sorted(runs["pp"].unique()):
+        theory = (p - 1) / (m + p - 1)
+        ax.plot(m, theory, color="0.45", linestyle="--", linewidth=1)
+        ax.text(m[-1], theory[-1], f" (p−1)/(m+p−1), p={int(p)}", fontsize=8, color="0.35", va="center")
+    if measured:
+        runs["bubble_fraction"] = pd.to_numeric(runs["bubble_fraction"], errors="coerce")
+        sns.scatterplot(runs, x="micro_batches", y="bubble_fraction", hue="schedule", style="pp", s=70, ax=ax,
+                        palette=PALETTE)
+    if predicted:
+        runs["pred_bubble_fraction"] = pd.to_numeric(runs["pred_bubble_fraction"], errors="coerce")
+        ax.scatter(runs["micro_batches"], runs["pred_bubble_fraction"], facecolors="none", edgecolors="0.2",
+                   s=110, label="predicted")
+    ax.set(xscale="log", xlabel="micro-batches per step (m)", ylabel="bubble fraction (idle / step time)",
+           ylim=(0, 1), xlim=(0.8, m_max * 2.2))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.legend(fontsize=8, loc="upper right")
+    why = "" if measured else "\n(no measured bubble_fraction in these rows: only the theory is drawn)"
+    ax.set_title(f"Pipeline bubble vs micro-batches per schedule{why}", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = {
+    "throughput_heatmap": ("Throughput heatmap", throughput_heatmap),
+    "backend_comparison": ("Backend comparison at equal world size", backend_comparison),
+    "memory_breakdown": ("Memory per rank: measured vs predicted", memory_breakdown),
+    "comm_breakdown": ("Communication bytes per step by group", comm_breakdown),
+    "bubble": ("Pipeline bubble vs micro-batches", bubble_curve),
+}
+
+
+def _si(value: float) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= div:
+            return f"{value / div:.3g}{suffix}"
+    return f"{value:.3g}"

@@ -1,0 +1,75 @@
+"""Short human names for configs and columns, shared by the report, compare and history."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+MiB = 2**20
+
+
+def present(value) -> bool:
+    """True for a real value (not None/NaN/empty)."""
+    if value is None:
+        return False
+    if isinstance(value, float) and math.isnan(value):
+        return False
+    return not (isinstance(value, str) and value == "")
+
+
+def variant(row) -> str:
+    """Backend plus the option that changes what it does: `deepspeed z3`, `fsdp grad-op`, `native`."""
+    backend = str(row.get("backend", "?"))
+    if backend == "deepspeed" or (backend == "native" and _num(row.get("zero"))):
+        return f"{backend} z{int(_num(row.get('zero')))}"
+    if backend == "fsdp" and present(row.get("fsdp")):
+        return f"fsdp {row['fsdp']}"
+    return backend
+
+
+def layout(row) -> str:
+    return f"tp{_int(row.get('tp'))}·pp{_int(row.get('pp'))}·dp{_int(row.get('dp'))}"
+
+
+def config_label(row) -> str:
+    """`native tp2·pp2·dp1 1f1b m4`: backend variant, layout, then only the options off their defaults."""
+    parts = [variant(row), layout(row)]
+    pp, m = _int(row.get("pp")), _int(row.get("micro_batches"))
+    if pp > 1:
+        vs = _int(row.get("virtual_stages"))
+        parts.append(f"{row.get('schedule')}{f' v{vs}' if vs > 1 else ''}")
+    if m > 1:
+        parts.append(f"m{m}")
+    for key, default, fmt in (("dtype", "fp32", "{}"), ("recompute", "none", "rc-{}"),
+                              ("order", "tp-pp-dp", "{}"), ("fault", "none", "fault={}")):
+        value = row.get(key)
+        if present(value) and value != default:
+            parts.append(fmt.format(value))
+    if str(row.get("sequence_parallel")).lower() == "true":
+        parts.append("sp")
+    bucket = row.get("bucket_mb")
+    if present(bucket) and float(bucket) != 25.0:
+        parts.append(f"bucket {float(bucket):g} MiB")
+    return " ".join(parts)
+
+
+def add_labels(df: pd.DataFrame) -> pd.DataFrame:
+    """Adds `label`, `variant` and `layout` columns (a copy)."""
+    df = df.copy()
+    rows = df.to_dict("records")
+    df["variant"] = [variant(r) for r in rows]
+    df["layout"] = [layout(r) for r in rows]
+    df["label"] = [config_label(r) for r in rows]
+    return df
+
+
+def _num(value) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return 0.0 if math.isnan(out) else out
+
+
+def _int(value) -> int:
+    return int(_num(value))

@@ -1,0 +1,83 @@
+"""Result sets in, one dataframe out: sweep folders, parquet files or single run JSON files.
+
+The sweep store (`bench.sweep.store.load_results`) owns the schema and its check; this module only
+adds an internal fallback for plain run JSON files and turns every way input can be wrong into a
+one-line message that names the path and the fix (the CLI prints it; never a traceback).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+REQUIRED = ("run_id", "status")
+
+
+def load_many(paths) -> pd.DataFrame:
+    """Rows of every result set in `paths`, concatenated (later duplicates of a run_id win)."""
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ValueError("no results given; pass sweep output folders or results.parquet files")
+    frames = [load_one(p) for p in paths]
+    df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    _check_schema_versions(df, paths)
+    return df.drop_duplicates("run_id", keep="last").reset_index(drop=True)
+
+
+def load_one(path: Path) -> pd.DataFrame:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder (give a sweep output folder, "
+                                "a results.parquet or a run JSON file)")
+    try:
+        df = _store_loader()(path) if _store_loader() and path.suffix != ".json" else _fallback(path)
+    except (FileNotFoundError, ValueError):
+        raise
+    except Exception as e:  # noqa: BLE001 - pyarrow/JSON errors of a broken file become one line
+        raise ValueError(f"{path}: cannot read results ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    return check_frame(df, path)
+
+
+def check_frame(df: pd.DataFrame, path) -> pd.DataFrame:
+    missing = [c for c in REQUIRED if c not in df.columns]
+    if missing:
+        raise ValueError(f"{path}: not a parabench result set (missing column(s) {', '.join(missing)}); "
+                         "give the folder or results.parquet written by `bench sweep`")
+    if df.empty:
+        raise ValueError(f"{path}: the result set is empty (no runs); run a sweep into it first")
+    return df
+
+
+def _store_loader():
+    try:
+        from bench.sweep.store import load_results
+    except ImportError:
+        return None
+    return load_results
+
+
+def _fallback(path: Path) -> pd.DataFrame:
+    """Minimal reader for run JSON files (one row each) and parquet files; no schema of its own."""
+    if path.is_dir():
+        parquet = path / "results.parquet"
+        if parquet.exists():
+            return pd.read_parquet(parquet)
+        files = sorted((path / "runs").glob("*.json")) or sorted(path.glob("*.json"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no results.parquet and no runs/*.json inside; "
+                                    "is this a `bench sweep` output folder?")
+        return pd.DataFrame([json.loads(f.read_text()) for f in files])
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        return pd.DataFrame(data if isinstance(data, list) else [data])
+    return pd.read_parquet(path)
+
+
+def _check_schema_versions(df: pd.DataFrame, paths) -> None:
+    if "SCHEMA_VERSION" not in df.columns:
+        return
+    versions = sorted({str(v) for v in df["SCHEMA_VERSION"].dropna().unique()})
+    if len(versions) > 1:
+        raise ValueError(f"results of different schema versions ({', '.join(versions)}) in "
+                         f"{', '.join(map(str, paths))}; re-run the older sweep or report them separately")
