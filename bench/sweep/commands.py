@@ -1,4 +1,70 @@
 """CLI commands of bench.sweep (registered on the `bench` app in bench/cli.py)."""
+from pathlib import Path
+
 import click
 
 COMMANDS: list[click.Command] = []
+
+
+@click.command("sweep")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--dry-run", is_flag=True, help="print the expanded runs (and skipped ones, with the reason); launch nothing")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="output folder (default results/<name>/)")
+@click.option("--resume", is_flag=True, help="skip runs already stored in OUT (ok or not); run the missing ones")
+@click.option("--retry-failed", is_flag=True, help="like --resume, but rerun stored failed/oom/timeout/cancelled runs")
+@click.option("--launcher", type=click.Choice(["local", "slurm", "debug"]), default=None,
+              help="override the sweep file's launcher")
+@click.option("--profile", default=None, help="Slurm profile (slurm/profiles/NAME.yaml) for --launcher slurm")
+@click.option("--exclusive", is_flag=True, help="Slurm: whole nodes per job (--exclusive), for timed runs")
+@click.option("--no-progress", is_flag=True, help="no live progress bar or per-run log lines")
+def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, no_progress):
+    """Run every configuration of a sweep FILE; one row per run in OUT/runs/, all rows in OUT/results.parquet.
+
+    A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled."""
+    from rich.console import Console
+
+    from bench.sweep.runner import dry_run_table, print_counts, run_sweep, summary_table
+    from bench.sweep.spec import expand, load_sweep
+    spec = load_sweep(file)
+    if launcher == "slurm" or profile:
+        from bench.sweep.slurm import load_profile
+        load_profile(profile or spec.launcher.profile or "local",
+                     spec.launcher.options if spec.launcher.kind == "slurm" else {}, source="--profile", prefix="")
+    console = Console(highlight=False, width=max(Console().width, 140))
+    if dry_run:
+        table, counts = dry_run_table(spec, expand(spec), launcher)
+        console.print(table)
+        console.print(counts)
+        return
+    out = Path(out or Path("results") / spec.name)
+    result = run_sweep(spec, out, launcher=launcher, profile=profile, resume=resume or retry_failed,
+                       retry_failed=retry_failed, exclusive=exclusive, progress=not no_progress)
+    from bench.sweep.store import load_results
+    df = load_results(out)
+    rows = df.astype(object).where(df.notna(), None).to_dict("records")
+    console.print(summary_table(rows, f"sweep {spec.name}: {len(rows)} row(s) in {out}"))
+    console.print(f"this invocation: {print_counts(result.counts)}"
+                  + (f" · {result.resumed} resumed" if result.resumed else "")
+                  + f"   wall {result.wall_s:.1f} s   → {out}/results.parquet")
+
+
+@click.command("results")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--quiet", is_flag=True, help="no table, only the counts")
+def results(path, quiet):
+    """Load a sweep's rows (folder or parquet), check the schema, write OUT/results.parquet, print a summary."""
+    from rich.console import Console
+
+    from bench.sweep.runner import print_counts, summary_table
+    from bench.sweep.store import STATUSES, ResultStore, load_results
+    path = Path(path)
+    df = ResultStore(path).write_parquet() if path.is_dir() and (path / "runs").is_dir() else load_results(path)
+    console = Console(highlight=False, width=max(Console().width, 140))
+    rows = df.astype(object).where(df.notna(), None).to_dict("records")
+    if not quiet:
+        console.print(summary_table(rows, f"{path}: {len(rows)} row(s)"))
+    counts = {s: int((df["status"] == s).sum()) for s in STATUSES}
+    console.print(print_counts(counts) + (f"   → {path / 'results.parquet'}" if path.is_dir() else ""))
+
+
+COMMANDS += [sweep, results]

@@ -1,0 +1,289 @@
+"""Running a sweep: expansion → launcher → results store, with live progress and a summary table.
+
+Every row reaches the store the moment it is known (skipped rows before anything launches), so a
+sweep killed at any moment keeps what finished; `resume` skips runs whose row is ok, `retry_failed`
+also reruns the failed, oom, timeout and cancelled ones.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from bench.config import RunConfig
+from bench.results import failure_row
+from bench.sweep.spec import Expansion, SweepSpec, expand
+from bench.sweep.store import STATUSES, ResultStore
+
+
+class LocalLauncher:
+    """Each run as its world-size processes on this machine, one run at a time. A warm RankPool per
+    world size serves every run of that size (fresh port and process groups per run); a failed or
+    hung run gets its processes killed and the pool restarts."""
+
+    kind = "local"
+
+    def __init__(self):
+        from bench.sweep.local import RankPool
+        self._pool_type = RankPool
+        self.pools: dict[int, object] = {}
+
+    def unsupported(self, cfg: RunConfig) -> str | None:
+        return None
+
+    def launch(self, runs: list[RunConfig], started: Callable, finished: Callable) -> None:
+        runs = sorted(runs, key=lambda c: c.world)  # stable: one pool alive at a time, file order within
+        left = {w: sum(c.world == w for c in runs) for w in {c.world for c in runs}}
+        for cfg in runs:
+            pool = self.pools.get(cfg.world) or self.pools.setdefault(cfg.world, self._pool_type(cfg.world))
+            started(cfg)
+            t0 = time.monotonic()
+            row = pool.run(cfg)
+            finished(cfg, {**row, "wall_s": time.monotonic() - t0})
+            left[cfg.world] -= 1
+            if not left[cfg.world]:
+                self.pools.pop(cfg.world).close()
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.kill()
+        self.pools.clear()
+
+
+class DebugLauncher:
+    """In this process, world size 1 (debuggers, profilers)."""
+
+    kind = "debug"
+
+    def unsupported(self, cfg: RunConfig) -> str | None:
+        return None if cfg.world == 1 else f"the debug launcher runs world size 1 only, not {cfg.world}"
+
+    def launch(self, runs: list[RunConfig], started: Callable, finished: Callable) -> None:
+        from bench.sweep.local import run_debug
+        for cfg in runs:
+            started(cfg)
+            t0 = time.monotonic()
+            row = run_debug(cfg)
+            finished(cfg, {**row, "wall_s": time.monotonic() - t0})
+
+    def close(self) -> None:
+        pass
+
+
+def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: str | None = None,
+                  exclusive: bool = False):
+    kind = kind or spec.launcher.kind
+    if kind == "local":
+        return LocalLauncher()
+    if kind == "debug":
+        return DebugLauncher()
+    from bench.sweep.slurm import SlurmLauncher, load_profile
+    options = spec.launcher.options if spec.launcher.kind == "slurm" else {}
+    prof = load_profile(profile or spec.launcher.profile or "local", options, source=spec.source)
+    if exclusive:
+        prof = replace(prof, exclusive=True)
+    return SlurmLauncher(prof, out, spec.name, {"sweep": spec.name, "launcher": "slurm"})
+
+
+@dataclass
+class SweepOutcome:
+    out: Path
+    counts: dict[str, int]
+    wall_s: float
+    rows: list[dict] = field(default_factory=list)
+    """The rows written by this invocation."""
+    resumed: int = 0
+    """Runs not launched because a previous invocation stored them."""
+
+
+def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, profile: str | None = None,
+              resume: bool = False, retry_failed: bool = False, exclusive: bool = False,
+              progress: bool = True) -> SweepOutcome:
+    t_start = time.monotonic()
+    out = Path(out)
+    exp = expand(spec)
+    launch = make_launcher(spec, out, launcher, profile, exclusive)
+    store = ResultStore(out)
+    stored = store.statuses()
+    if stored and not (resume or retry_failed):
+        raise ValueError(f"{out} already holds {len(stored)} run row(s); add --resume to skip the finished runs "
+                         "(--retry-failed to rerun the failed ones too), or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    if Path(spec.source).is_file():
+        shutil.copyfile(spec.source, out / "sweep.yaml")
+    extra = {"sweep": spec.name, "launcher": launch.kind}
+    outcome = SweepOutcome(out=out, counts={s: 0 for s in STATUSES}, wall_s=0.0)
+
+    def record(row: dict) -> None:
+        row = {**row, **extra}
+        store.write(row)
+        outcome.rows.append(row)
+        outcome.counts[row["status"]] += 1
+
+    todo = []
+    for row in exp.skipped:
+        record(row)
+    for cfg in exp.runs:
+        previous = stored.get(cfg.run_id)
+        if previous == "ok" or (previous is not None and not retry_failed):
+            outcome.resumed += 1
+            continue
+        reason = launch.unsupported(cfg)
+        if reason:
+            record(failure_row(cfg, "skipped", reason))
+        else:
+            todo.append(cfg)
+
+    bar = SweepProgress(len(todo), outcome.counts, enabled=progress)
+    if outcome.resumed:
+        bar.log(f"resume: {outcome.resumed} run(s) already stored in {out}/runs, not launched")
+
+    def finished(cfg: RunConfig, row: dict) -> None:
+        record(row)
+        bar.finished(cfg, row)
+
+    try:
+        with bar:
+            launch.launch(todo, bar.started, finished)
+    finally:
+        launch.close()
+    store.write_parquet()
+    outcome.wall_s = time.monotonic() - t_start
+    return outcome
+
+
+def describe(cfg: RunConfig | dict) -> str:
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    text = f"{get('backend')} tp={get('tp')} pp={get('pp')} dp={get('dp')}"
+    if get("backend") == "deepspeed" or get("zero"):
+        text += f" zero={get('zero')}"
+    if get("fsdp"):
+        text += f" fsdp={get('fsdp')}"
+    if get("fault") not in (None, "none"):
+        text += f" fault={get('fault')}"
+    if get("repeat"):
+        text += f" repeat={get('repeat')}"
+    return text
+
+
+class SweepProgress:
+    """A live bar (done / running / failed / skipped, ETA) on stderr and one log line per finished run."""
+
+    def __init__(self, total: int, counts: dict, enabled: bool = True):
+        from rich.console import Console
+        self.total, self.counts, self.enabled, self.running = total, counts, enabled, 0
+        self.console = Console(stderr=True, highlight=False)
+        self.done = 0
+        self._progress = None
+
+    def __enter__(self):
+        if self.enabled and self.total:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+            self._progress = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.description}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                      TimeRemainingColumn(), console=self.console, transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task(self._text(), total=self.total)
+        return self
+
+    def __exit__(self, *exc):
+        if self._progress:
+            self._progress.stop()
+
+    def _text(self) -> str:
+        c = self.counts
+        bad = sum(c[s] for s in ("failed", "oom", "timeout", "cancelled"))
+        return f"ok {c['ok']} · running {self.running} · failed {bad} · skipped {c['skipped']}"
+
+    def log(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, soft_wrap=True)
+
+    def started(self, cfg: RunConfig) -> None:
+        self.running += 1
+        self._refresh()
+
+    def finished(self, cfg: RunConfig, row: dict) -> None:
+        self.running = max(0, self.running - 1)
+        self.done += 1
+        status = row["status"]
+        colour = {"ok": "green", "skipped": "yellow"}.get(status, "red")
+        note = "" if status == "ok" else "  " + _first_line(row.get("error"))
+        wall = row.get("wall_s")
+        self.log(f"[{self.done}/{self.total}] [{colour}]{status:9}[/] {describe(cfg)}"
+                 + (f"  ({wall:.1f} s)" if wall is not None else "") + note)
+        self._refresh(advance=1)
+
+    def _refresh(self, advance: int = 0) -> None:
+        if self._progress:
+            self._progress.update(self._task, advance=advance, description=self._text())
+
+
+def _first_line(text) -> str:
+    if not text:
+        return ""
+    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    line = lines[-1] if lines and lines[0].startswith("rank ") and len(lines) > 1 else (lines[0] if lines else "")
+    return line[:110]
+
+
+# --- tables -----------------------------------------------------------------------------------------------
+
+ALWAYS = ("backend", "world_size", "tp", "pp", "dp")
+
+
+def _varying(rows: list[dict]) -> list[str]:
+    """Config columns worth showing: the layout, plus any field that differs between rows."""
+    from dataclasses import fields as dc_fields
+    names = [f.name for f in dc_fields(RunConfig) if f.name not in ALWAYS and f.name not in ("timeout_s",)]
+    return list(ALWAYS) + [n for n in names if len({str(r.get(n)) for r in rows}) > 1]
+
+
+def dry_run_table(spec: SweepSpec, exp: Expansion, launcher_kind: str | None = None):
+    from rich.table import Table
+    rows = [{**c.to_row(), "status": "planned", "error": ""} for c in exp.runs] + exp.skipped
+    columns = _varying(rows)
+    table = Table(title=f"sweep {spec.name} ({spec.source})", show_lines=False)
+    for name in ("#", "run_id", *columns, "status", "reason"):
+        table.add_column(name, overflow="fold", max_width=70 if name == "reason" else None)
+    for i, row in enumerate(rows, 1):
+        status = "[green]planned[/]" if row["status"] == "planned" else "[yellow]skipped[/]"
+        table.add_row(str(i), row["run_id"], *(_cell(row.get(c)) for c in columns), status, row.get("error") or "")
+    worlds = sorted({c.world for c in exp.runs})
+    counts = (f"{len(exp.runs)} run(s) to launch, {len(exp.skipped)} skipped, {exp.excluded} excluded, "
+              f"{exp.duplicates} duplicate(s); world sizes {worlds or '-'}; launcher {launcher_kind or spec.launcher.kind}")
+    return table, counts
+
+
+def summary_table(rows: list[dict], title: str):
+    from rich.table import Table
+    columns = _varying(rows)
+    table = Table(title=title)
+    for name in (*columns, "status", "step ms", "tokens/s", "MFU", "peak MiB", "note"):
+        table.add_column(name, overflow="fold", max_width=60 if name == "note" else None)
+    order = {s: i for i, s in enumerate(STATUSES)}
+    for row in sorted(rows, key=lambda r: (order.get(r["status"], 9), str(r.get("backend")), r.get("world_size") or 0,
+                                           str(r.get("tp")), str(r.get("pp")))):
+        ok = row["status"] == "ok"
+        colour = {"ok": "green", "skipped": "yellow"}.get(row["status"], "red")
+        table.add_row(*(_cell(row.get(c)) for c in columns), f"[{colour}]{row['status']}[/]",
+                      f"{row['step_time_s'] * 1e3:.1f}" if ok else "",
+                      f"{row['tokens_per_s']:.0f}" if ok else "",
+                      f"{row['mfu']:.2%}" if ok else "",
+                      f"{row['peak_mem_bytes'] / 2**20:.1f}" if ok else "",
+                      "" if ok else _first_line(row.get("error")))
+    return table
+
+
+def _cell(value) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return str(value)
+
+
+def print_counts(counts: dict, file=sys.stdout) -> str:
+    return " · ".join(f"{s} {counts.get(s, 0)}" for s in STATUSES)

@@ -1,0 +1,270 @@
+"""Slurm launcher: one Slurm job per run through submitit, runs of one shape submitted as a job array.
+
+Each run is a job of `nodes` × `tasks_per_node` tasks (one task per rank). Every task calls
+`slurm_task`, which leaves torch.distributed to `bench.distributed.init_from_env` (it maps
+SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_JOB_NODELIST to RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR and derives MASTER_PORT from the job id): no torchrun inside the job. Rank 0 writes the
+run's row to the results store itself, so a sweep process that dies loses no finished run.
+
+Cluster settings live in named profiles, slurm/profiles/<name>.yaml (keys: PROFILE_KEYS); a sweep file
+may override any of them under `launcher:`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Callable
+
+from bench.config import RunConfig
+from bench.metrics.memory import MALLOC_ENV
+from bench.results import classify_error, failure_row
+
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "profiles"
+
+
+@dataclass(frozen=True)
+class SlurmProfile:
+    name: str = "local"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    ranks_per_node: int = 8
+    """Most ranks (tasks) one node runs: a run of world size W takes ceil(W / ranks_per_node) nodes."""
+    nodes: int | None = None
+    """Fixed node count (overrides ranks_per_node); the world size must be a multiple of it."""
+    gpus_per_node: int = 0
+    """GPUs requested per node (0: request none)."""
+    cpus_per_task: int = 1
+    mem_gb: float | None = None
+    time_min: int | None = None
+    """Job time limit; default: the run's timeout_s in minutes, rounded up, plus 2 for start-up."""
+    max_parallel: int = 8
+    """Concurrency cap of each job array (the %N of --array)."""
+    exclusive: bool = False
+    """Whole nodes per job (--exclusive): use for timed runs."""
+    setup: tuple = ()
+    """Shell lines run in the batch script before the tasks start (module load, venv activation…)."""
+    env: dict = field(default_factory=dict)
+    """Environment variables exported before the tasks start."""
+    srun_args: tuple = ("--kill-on-bad-exit=1",)
+    """A rank that fails takes the others down instead of leaving them in a collective."""
+    signal_delay_s: int = 30
+    slurm_additional_parameters: dict = field(default_factory=dict)
+    """Any other sbatch option, e.g. {reservation: my-res}."""
+    poll_s: float = 1.0
+    """How often the sweep looks at its jobs (result files; sacct at most every 2 s)."""
+
+    def shape(self, cfg: RunConfig) -> tuple[int, int]:
+        """(nodes, tasks per node) of a run."""
+        nodes = self.nodes or math.ceil(cfg.world / self.ranks_per_node)
+        return nodes, math.ceil(cfg.world / nodes)
+
+    def unsupported(self, cfg: RunConfig) -> str | None:
+        nodes, per_node = self.shape(cfg)
+        if nodes * per_node != cfg.world:
+            return (f"slurm profile {self.name}: world size {cfg.world} does not split evenly over {nodes} "
+                    f"node(s); pick nodes dividing the world size")
+        if self.gpus_per_node and per_node > self.gpus_per_node:
+            return (f"slurm profile {self.name}: {per_node} ranks per node but gpus_per_node is "
+                    f"{self.gpus_per_node}")
+        return None
+
+    def time_limit(self, cfg: RunConfig) -> int:
+        return self.time_min or math.ceil(cfg.timeout_s / 60) + 2
+
+
+PROFILE_KEYS = tuple(f.name for f in fields(SlurmProfile) if f.name != "name")
+_TYPES = {"str | None": (str, type(None)), "int": int, "int | None": (int, type(None)), "float | None":
+          (int, float, type(None)), "float": (int, float), "bool": bool, "tuple": list, "dict": dict}
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name: str, overrides: dict | None = None, source: str = "<launcher>",
+                 prefix: str = "launcher.") -> SlurmProfile:
+    """slurm/profiles/<name>.yaml (or a path to a YAML file) with the sweep file's overrides on top."""
+    import yaml
+    from bench.sweep.spec import SweepError, suggest
+    path = Path(name) if str(name).endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name}.yaml"
+    if not isinstance(name, str) or not path.is_file():
+        known = profile_names()
+        raise SweepError(source, f"{prefix}profile", f"unknown slurm profile {name!r}{suggest(name, known)} "
+                                                     f"(profiles in {PROFILE_DIR}: {', '.join(known) or 'none'})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SweepError(str(path), "", f"malformed YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise SweepError(str(path), "", "a profile is a mapping of keys: " + ", ".join(PROFILE_KEYS))
+    values = {}
+    for where, block in ((str(path), data), (source, overrides or {})):
+        for key, value in block.items():
+            keypath = key if where == str(path) else f"{prefix}{key}"
+            if key not in PROFILE_KEYS:
+                raise SweepError(where, keypath, f"unknown slurm profile key{suggest(key, PROFILE_KEYS)} "
+                                                 f"(known: {', '.join(PROFILE_KEYS)})")
+            kind = _TYPES[str(SlurmProfile.__dataclass_fields__[key].type)]
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, (int, type(None)))):
+                raise SweepError(where, keypath, f"{key} has the wrong type: got {value!r}")
+            if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+                raise SweepError(where, keypath, f"{key} must be ≥ 0, got {value}")
+            values[key] = tuple(value) if isinstance(value, list) else value
+    for key in ("ranks_per_node", "max_parallel", "nodes"):
+        if values.get(key) == 0:
+            raise SweepError(source, f"{prefix}{key}", f"{key} must be ≥ 1")
+    return SlurmProfile(name=path.stem, **values)
+
+
+def slurm_task(cfg_dict: dict, out: str | None, extra: dict) -> dict | None:
+    """Body of every Slurm task (one per rank). Returns the row on rank 0, None on the others."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)  # sbatch exports the submitter's environment: never inherit a rank
+    import torch
+    if os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from bench import worker
+    row = worker.run(RunConfig.from_dict(cfg_dict))
+    if row is not None and out:
+        from bench.sweep.store import ResultStore
+        job = os.environ.get("SLURM_ARRAY_JOB_ID")
+        job_id = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID")
+        row = {**row, **extra, "slurm_job_id": job_id}
+        ResultStore(out).write(row)  # at once: the row survives a sweep process that died meanwhile
+    return row
+
+
+class SlurmLauncher:
+    kind = "slurm"
+
+    def __init__(self, profile: SlurmProfile, out: Path, sweep: str, extra: dict):
+        self.profile, self.out, self.sweep, self.extra = profile, Path(out), sweep, extra
+        self.jobs: list = []
+
+    def unsupported(self, cfg: RunConfig) -> str | None:
+        return self.profile.unsupported(cfg)
+
+    def _executor(self, cfg: RunConfig, count: int):
+        import submitit
+        p = self.profile
+        nodes, per_node = p.shape(cfg)
+        ex = submitit.AutoExecutor(folder=self.out / "slurm" / "%j", cluster="slurm")
+        params = dict(name=f"bench-{self.sweep}", nodes=nodes, tasks_per_node=per_node,
+                      cpus_per_task=p.cpus_per_task, timeout_min=p.time_limit(cfg),
+                      slurm_array_parallelism=min(p.max_parallel, count),
+                      slurm_setup=[*(f"export {k}={v}" for k, v in {**MALLOC_ENV, **p.env}.items()), *p.setup],
+                      slurm_srun_args=list(p.srun_args), slurm_signal_delay_s=p.signal_delay_s,
+                      slurm_additional_parameters=dict(p.slurm_additional_parameters))
+        if p.gpus_per_node:
+            params["gpus_per_node"] = p.gpus_per_node
+        if p.mem_gb:
+            params["mem_gb"] = p.mem_gb
+        for key in ("partition", "account", "qos", "constraint"):
+            if getattr(p, key):
+                params[f"slurm_{key}"] = getattr(p, key)
+        if p.exclusive:  # submitit writes --exclusive=False for False, which sbatch rejects
+            params["slurm_exclusive"] = True
+        ex.update_parameters(**params)
+        return ex
+
+    def launch(self, runs: list[RunConfig], started: Callable, finished: Callable) -> None:
+        """Submit every run (one array per job shape), then report each as it starts and ends."""
+        groups: dict[tuple, list[RunConfig]] = {}
+        for cfg in runs:
+            groups.setdefault((*self.profile.shape(cfg), self.profile.time_limit(cfg)), []).append(cfg)
+        pending = []
+        try:
+            for cfgs in groups.values():
+                ex = self._executor(cfgs[0], len(cfgs))
+                with ex.batch():
+                    jobs = [ex.submit(slurm_task, cfg.to_dict(), str(self.out), self.extra) for cfg in cfgs]
+                submitted = time.monotonic()
+                pending += [_Tracked(cfg, job, submitted) for cfg, job in zip(cfgs, jobs)]
+            self.jobs = [t.job for t in pending]
+            self._watch(pending, started, finished)
+        except BaseException:  # Ctrl-C or an error here: do not leave jobs running unattended
+            for t in pending:
+                if not t.collected:
+                    t.job.cancel(check=False)
+            raise
+
+    def _watch(self, pending: list["_Tracked"], started: Callable, finished: Callable) -> None:
+        last_sacct = 0.0
+        while any(not t.collected for t in pending):
+            if time.monotonic() - last_sacct > 2:
+                pending[0].job.watcher.update()  # one sacct call for every job of the sweep
+                last_sacct = time.monotonic()
+            for t in pending:
+                if t.collected:
+                    continue
+                state = t.state()
+                if not t.started and state not in ("PENDING", "UNKNOWN", "READY", "REQUEUED"):
+                    t.started = True
+                    started(t.cfg)
+                row = t.outcome(state)
+                if row is not None:
+                    t.collected = True
+                    row["wall_s"] = time.monotonic() - t.submitted
+                    finished(t.cfg, row)
+            time.sleep(self.profile.poll_s)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Tracked:
+    cfg: RunConfig
+    job: object
+    submitted: float
+    started: bool = False
+    collected: bool = False
+
+    def state(self) -> str:
+        return self.job.watcher.get_state(self.job.job_id, mode="cache").upper()
+
+    def _outcomes(self) -> list:
+        from submitit.core.utils import pickle_load
+        tasks = [self.job.task(i) for i in range(self.job.num_tasks)] if self.job.num_tasks > 1 else [self.job]
+        out = []
+        for task in tasks:
+            try:
+                out.append(pickle_load(task.paths.result_pickle) if task.paths.result_pickle.exists() else None)
+            except (EOFError, OSError):  # being written right now
+                out.append(None)
+        return out
+
+    def outcome(self, state: str) -> dict | None:
+        """The run's row once it is known, else None."""
+        outcomes = self._outcomes()
+        finished_state = state not in ("PENDING", "RUNNING", "UNKNOWN", "READY", "REQUEUED", "COMPLETING",
+                                       "PREEMPTED", "CONFIGURING", "SUSPENDED", "")
+        if all(o is not None and o[0] == "success" for o in outcomes):
+            return {**outcomes[0][1], **self._ids()}
+        if not finished_state:
+            return None
+        return {**failure_row(self.cfg, *self._failure(state, outcomes)), **self._ids()}
+
+    def _failure(self, state: str, outcomes: list) -> tuple:
+        errors = [(rank, o[1]) for rank, o in enumerate(outcomes) if o is not None and o[0] == "error"]
+        log = f"(job {self.job.job_id}; logs: {self.job.paths.stderr})"
+        if state.startswith(("CANCELLED", "PREEMPTED")):
+            return "cancelled", f"Slurm job {self.job.job_id} was {state.lower()} {log}", None
+        if state == "TIMEOUT" or any("timed-out" in str(text) for _, text in errors):
+            return "timeout", f"Slurm job {self.job.job_id} reached its time limit {log}", None
+        if state == "OUT_OF_MEMORY":
+            return "oom", f"Slurm job {self.job.job_id} ran out of memory {log}", None
+        if errors:
+            rank, text = errors[0]
+            text = str(text)[-4000:]
+            return classify_error(text), f"rank {rank} failed:\n{text}", rank
+        return "failed", f"Slurm job {self.job.job_id} ended {state.lower()} without a result {log}", None
+
+    def _ids(self) -> dict:
+        job_id = str(self.job.job_id)
+        return {"slurm_job_id": job_id, "slurm_array_task_id": job_id.split("_")[1] if "_" in job_id else None}
