@@ -1,0 +1,213 @@
+"""The analytic cost model: memory, communication, bubble, FLOPs and (with a hardware profile) the
+step time of one configuration. Pure maths over a RunConfig-like object (any object with the
+RunConfig field names and `model_config`), so the planner can feed it lightweight candidates.
+
+Step time, per device (every term documented where computed, in `predict_time`):
+    compute = model FLOPs per device (+ recomputation) / (peak × compute_efficiency)
+    tp      = every tp collective on the critical path, ring latency + wire bytes / link bandwidth
+    pp      = (v·m + p − 1) forward and backward sends on the critical path
+    bubble  = (compute + tp) × (p−1)/(v·m)                       (PTD-P §2.2)
+    dp      = gradient/parameter traffic not hidden behind backward (the last micro-batch's
+              backward for one reduction per step; the whole compute for per-micro-batch ZeRO-3/FSDP)
+    step    = compute + tp + pp + bubble + exposed dp
+The link of each group is NVLink when all its ranks share a node (`Layout`), else the network.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from math import gcd
+
+from bench.analysis.comm import Traffic, comm_summary, stage_traffic, wire_bytes
+from bench.analysis.hardware import Hardware, get_hardware
+from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memory
+from bench.analysis.schedule import bubble_fraction, bubble_over_ideal
+from models.config import GPTConfig, flops_per_token, get_preset, matmul_params
+
+MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
+               "total_bytes")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A RunConfig-like candidate without validation (the planner validates it through RunConfig)."""
+
+    model: str
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    backend: str = "native"
+    order: str = "tp-pp-dp"
+    zero: int = 0
+    fsdp: str | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch: int = 1
+    micro_batches: int = 1
+    seq: int = 0
+    dtype: str = "bf16-mixed"
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    model_overrides: tuple = field(default=())
+
+    @property
+    def model_config(self) -> GPTConfig:
+        return get_preset(self.model)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.micro_batches * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq
+
+
+def default_mixed_state(cfg) -> str:
+    """How the backend keeps mixed-precision state: DeepSpeed as the ZeRO paper (2+2+12), the
+    torch.autocast-based engines of this suite in fp32 (4+4+8)."""
+    return "zero" if cfg.backend == "deepspeed" else "autocast"
+
+
+def extreme_stages(pp: int) -> list[int]:
+    """The first stage holds the most activations and the embedding, the last the head: between
+    them they hold every per-rank maximum (middle stages hold fewer layers' worth of both)."""
+    return sorted({0, pp - 1})
+
+
+def memory(cfg, mixed_state: str = "zero", activations: str = "table2", stages: list[int] | None = None) -> dict:
+    """Per-rank bytes of the stage with the largest total, plus every (listed) stage's figures."""
+    act = ActivationModel(activations)
+    stages = range(cfg.pp) if stages is None else stages
+    per = {s: stage_memory(cfg, s, mixed_state, act) for s in stages}
+    worst = max(per, key=lambda s: per[s]["total_bytes"])
+    return {**per[worst], "worst_stage": worst, "stages": [per[s] for s in sorted(per)]}
+
+
+def model_flops_per_step(cfg) -> float:
+    return float(flops_per_token(cfg.model_config, cfg.seq) * cfg.tokens_per_step)
+
+
+def hardware_flops_per_step(cfg) -> float:
+    """Model FLOPs plus what recomputation re-runs: one more forward of the layers (full) or of the
+    attention scores QKᵀ and AV (selective: 4·L·h·s per token)."""
+    m = cfg.model_config
+    attn_fwd = 4 * m.layers * m.hidden * cfg.seq
+    extra = {"none": 0, "selective": attn_fwd,
+             "full": 2 * (matmul_params(m) - m.vocab * m.hidden) + attn_fwd}[cfg.recompute]
+    return model_flops_per_step(cfg) + float(extra * cfg.tokens_per_step)
+
+
+@lru_cache(maxsize=4096)
+def crosses_nodes(tp: int, pp: int, dp: int, order: str, gpus_per_node: int, dim: str) -> bool:
+    """Whether any `dim` group spans nodes (rank = tp + TP·(…) as in bench.layout, fastest first).
+    The pattern repeats every lcm(gpus_per_node, stride·size) ranks, so only that span is checked."""
+    sizes = {"tp": tp, "pp": pp, "dp": dp}
+    dims = order.split("-")
+    stride = 1
+    for d in dims[:dims.index(dim)]:
+        stride *= sizes[d]
+    size, world = sizes[dim], tp * pp * dp
+    if size == 1:
+        return False
+    span = stride * size
+    period = min(world, span * gpus_per_node // gcd(span, gpus_per_node))
+    for base in range(period):
+        if (base // stride) % size == 0 and base // gpus_per_node != (base + (size - 1) * stride) // gpus_per_node:
+            return True
+    return False
+
+
+def link(cfg, hw: Hardware, dim: str, gpus_per_node: int) -> tuple[float, float, str]:
+    """(bandwidth, latency, name) of the links a `dim` group uses."""
+    if crosses_nodes(cfg.tp, cfg.pp, cfg.dp, cfg.order, gpus_per_node, dim):
+        return hw.inter_node_bw, hw.inter_node_latency_s, "network"
+    return hw.intra_node_bw, hw.intra_node_latency_s, "nvlink"
+
+
+def op_time(tr: Traffic, bw: float, latency: float) -> float:
+    """One collective (ring): 2(n−1) latency hops for all-reduce, n−1 for all-gather/reduce-scatter."""
+    n = tr.group
+    if n <= 1 or tr.kind == "recv":
+        return 0.0
+    if tr.kind == "all_reduce":
+        return 2 * (n - 1) * (latency + tr.payload / n / bw)
+    if tr.kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) * (latency + tr.payload / n / bw)
+    return latency + tr.payload / bw
+
+
+def predict_time(cfg, hw: Hardware, gpus_per_node: int | None = None, mixed_state: str = "zero",
+                 stages: list[int] | None = None) -> dict:
+    g = gpus_per_node or hw.gpus_per_node
+    p, m = cfg.pp, cfg.micro_batches
+    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
+    compute = hardware_flops_per_step(cfg) / cfg.world / (hw.peak(cfg.dtype) * hw.compute_efficiency)
+    traffic = {s: stage_traffic(cfg, s, mixed_state) for s in (range(p) if stages is None else stages)}
+    links = {d: link(cfg, hw, d, g) for d in ("tp", "pp", "dp")}
+
+    def busiest(dim):  # the slowest stage sets the pace
+        return max(sum(op_time(tr, *links[dim][:2]) * tr.ops for tr in traffic[s] if tr.dim == dim)
+                   for s in traffic)
+
+    tp = busiest("tp")
+    pp = 0.0
+    if p > 1:  # one send forward and one backward per slot of the critical path
+        msg = next(tr for tr in traffic[0] if tr.kind == "send").payload
+        pp = 2 * (v * m + p - 1) * (links["pp"][1] + msg / links["pp"][0])
+    bubble = (compute + tp) * (bubble_over_ideal(p, m, cfg.schedule, v) if p > 1 else 0.0)
+    dp_total = busiest("dp")
+    per_mb = any(tr.per == "micro-batch" for s in traffic for tr in traffic[s] if tr.dim == "dp")
+    hidden = compute if per_mb else compute / m * 2 / 3  # behind the last micro-batch's backward
+    dp = max(0.0, dp_total - hidden)
+    step = compute + tp + pp + bubble + dp
+    model_flops = model_flops_per_step(cfg)
+    return {"hardware": hw.name, "step_time_s": step, "compute_s": compute, "bubble_s": bubble,
+            "exposed_comm_s": tp + pp + dp, "comm_tp_s": tp, "comm_pp_s": pp, "comm_dp_s": dp_total,
+            "comm_dp_exposed_s": dp, "links": {d: links[d][2] for d in links},
+            "tokens_per_s": cfg.tokens_per_step / step,
+            "mfu": model_flops / cfg.world / (step * hw.peak(cfg.dtype))}
+
+
+def estimate(cfg, hardware: str | Hardware | None = None, gpus_per_node: int | None = None,
+             mixed_state: str | None = None, activations: str = "table2") -> dict:
+    """Everything the cost model predicts for one config (keys: see the module docstrings)."""
+    state = mixed_state or "zero"
+    out = {"mixed_state": state, "activations": activations, **memory(cfg, state, activations),
+           **comm_summary(cfg, state),
+           "bubble_fraction": bubble_fraction(cfg.pp, cfg.micro_batches, cfg.schedule, cfg.virtual_stages),
+           "flops_per_step": model_flops_per_step(cfg), "hardware_flops_per_step": hardware_flops_per_step(cfg),
+           "tokens_per_step": cfg.tokens_per_step, "world_size": cfg.world}
+    if hardware is not None:
+        hw = get_hardware(hardware)
+        out.update(predict_time(cfg, hw, gpus_per_node, state))
+        out["memory_limit_bytes"] = hw.memory_bytes
+        out["fits"] = out["total_bytes"] <= hw.memory_bytes
+    return out
+
+
+def estimate_params(params: float, dp: int = 1, zero: int = 0, dtype: str = "bf16-mixed",
+                    mixed_state: str = "zero") -> dict:
+    """Model-state-only estimate for a bare parameter count (`bench estimate --params N`)."""
+    return {"params": params, "dp": dp, "zero": zero, "dtype": dtype,
+            **model_state_bytes(params, dp, zero, dtype, mixed_state)}
+
+
+PRED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "total_bytes",
+             "bubble_fraction", "flops_per_step")
+
+
+def predict_row(cfg) -> dict:
+    """`pred_*` columns for a measured row: the backend's own precision convention and this
+    suite's activations (no dropout, fused attention)."""
+    est = estimate(cfg, mixed_state=default_mixed_state(cfg), activations="suite")
+    out = {f"pred_{k}": est[k] for k in PRED_KEYS}
+    for dim in ("tp", "pp", "dp"):
+        out[f"pred_comm_bytes_{dim}"] = est[f"comm_bytes_{dim}"]
+        out[f"pred_comm_wire_bytes_{dim}"] = est[f"comm_wire_bytes_{dim}"]
+        out[f"pred_comm_ops_{dim}"] = est[f"comm_ops_{dim}"]
+    return out

@@ -1,0 +1,222 @@
+"""Memory per rank: model state (params, grads, optimizer) and activations. Pure maths.
+
+Model state, bytes per parameter (Rajbhandari et al. 2020, "ZeRO", §3.1: K = 12 for Adam):
+- fp32 training:                       params 4 + grads 4 + Adam m, v 8                   = 16
+- mixed precision, `zero` convention:  params 2 + grads 2 + fp32 master, m, v 12           = 16
+  (the ZeRO paper's and Megatron's: low-precision weights and grads, fp32 copy in the optimizer)
+- mixed precision, `autocast` convention: params 4 + grads 4 + Adam 8                      = 16
+  (torch.autocast and FSDP2's default: fp32 weights, low precision only inside the matmuls; the
+  native, ddp and fsdp backends of this suite train this way)
+Sharding over the dp group: ZeRO-1 the optimizer state, ZeRO-2 (FSDP grad-op) + gradients,
+ZeRO-3 (FSDP full) + parameters; FSDP hybrid shards within a group of `hybrid_shard` ranks.
+ZeRO-3/FSDP full additionally hold, transiently, the unsharded parameters of two blocks (the one
+computing and the one prefetched) and the unsharded gradients of one.
+
+Tensor parallel (Megatron's split): qkv and fc1 column-parallel (weights and biases ÷ t), proj
+and fc2 row-parallel (weights ÷ t, biases replicated), norms replicated, token embedding and LM
+head vocab-parallel (÷ t), learned position table replicated. Stage 0 holds the embeddings, the
+last stage the final norm and head (with tied embeddings and pp > 1 the last stage holds a copy).
+
+Activations per layer and micro-batch: Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models", Table 2, with s = seq, b = micro-batch, h = hidden, a = heads, t = tp:
+    no parallelism         s·b·h·(34 + 5·a·s/h)
+    tensor parallel        s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    + sequence parallel    s·b·h/t·(34 + 5·a·s/h)
+    + selective recompute  drops the 5·a·s/h terms (attention scores recomputed)
+    full recompute         2·s·b·h (the layer input only; ÷ t with sequence parallel)
+The constants assume 2-byte activations, 1-byte dropout masks and a GELU MLP of 4h. This module
+derives them term by term from the model (element bytes e, MLP width f, swiglu) so that they
+reduce exactly to Table 2 in that case; `ActivationModel("suite")` describes this suite's GPT
+(no dropout, fused attention that saves no s×s matrix). Beyond the layers, the last stage holds
+the logits and the loss's fp32 softmax for the micro-batches in flight there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from bench.analysis.schedule import chunk_layers, in_flight_layers, in_flight_micro_batches, stage_chunks
+from models.config import GPTConfig, block_params, embedding_params, head_params
+
+MIXED_STATES = ("zero", "autocast")
+"""How mixed precision keeps its model state: see the module docstring."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of every kind of tensor the cost model counts."""
+
+    param: int  # model state, per parameter
+    grad: int
+    optimizer: int
+    act: int  # saved activations
+    comm_fwd: int  # tp collectives on row-parallel outputs (forward)
+    comm_bwd: int  # tp collectives on gradients of column-parallel inputs (backward)
+    comm_embed: int  # the embedding's tp collective
+    comm_pp: int  # activations sent between stages
+    grad_comm: int  # dp reduction of gradients
+    param_comm: int  # dp all-gather of parameters
+
+
+def precision(dtype: str, mixed_state: str = "zero") -> Precision:
+    if dtype == "fp32":
+        return Precision(4, 4, 8, 4, 4, 4, 4, 4, 4, 4)
+    if mixed_state not in MIXED_STATES:
+        raise ValueError(f"mixed_state is {mixed_state!r}; choose one of {', '.join(MIXED_STATES)}")
+    if mixed_state == "zero":
+        return Precision(2, 2, 12, 2, 2, 2, 2, 2, 2, 2)
+    # autocast: weights and the residual stream stay fp32; matmul outputs are low precision, and the
+    # gradient w.r.t. a norm's fp32 output is fp32.
+    return Precision(4, 4, 8, 2, 2, 4, 4, 4, 4, 4)
+
+
+# --- parameters ----------------------------------------------------------------------------------
+@lru_cache(maxsize=65536)
+def block_params_local(m: GPTConfig, tp: int) -> float:
+    """Parameters of one block on one tp rank (row-parallel biases and norms replicated)."""
+    replicated = (2 * m.hidden if m.bias else 0) + 2 * (m.hidden * (2 if m.norm == "layernorm" else 1))
+    return (block_params(m) - replicated) / tp + replicated
+
+
+def _pos_params(m: GPTConfig) -> int:
+    return m.seq_len * m.hidden if m.position == "learned" else 0
+
+
+def embedding_params_local(m: GPTConfig, tp: int) -> float:
+    return (embedding_params(m) - _pos_params(m)) / tp + _pos_params(m)
+
+
+def head_params_local(m: GPTConfig, tp: int, pp: int) -> float:
+    norm = m.hidden * (2 if m.norm == "layernorm" else 1)
+    table = m.vocab * m.hidden if (not m.tie_embeddings or pp > 1) else 0
+    return table / tp + norm
+
+
+@lru_cache(maxsize=65536)
+def stage_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int) -> float:
+    """Parameters held by one rank of pipeline stage `stage` (its tp shard, before dp sharding)."""
+    chunks = chunk_layers(m.layers, pp, virtual_stages)
+    mine = stage_chunks(stage, pp, virtual_stages)
+    n = sum(chunks[c] for c in mine) * block_params_local(m, tp)
+    if 0 in mine:
+        n += embedding_params_local(m, tp)
+    if len(chunks) - 1 in mine:
+        n += head_params_local(m, tp, pp)
+    return n
+
+
+def root_params_local(m: GPTConfig, tp: int) -> float:
+    """Parameters outside the blocks (embeddings, final norm, head): FSDP's root unit."""
+    return embedding_params_local(m, tp) + head_params_local(m, tp, 1)
+
+
+# --- sharding ------------------------------------------------------------------------------------
+def sharding(cfg) -> tuple[str, int]:
+    """(what is sharded over dp: none | optimizer | grads | params, over how many ranks)."""
+    n = cfg.dp
+    if cfg.backend == "fsdp":
+        mode = cfg.fsdp or "full"
+        if mode == "none":
+            return "none", 1
+        if mode == "hybrid":
+            return "params", hybrid_shard(cfg)
+        return ("grads" if mode == "grad-op" else "params"), n
+    return {0: "none", 1: "optimizer", 2: "grads", 3: "params"}[cfg.zero], (n if cfg.zero else 1)
+
+
+def hybrid_shard(cfg) -> int:
+    """FSDP hybrid: shard within groups of this many dp ranks, replicate across them (dp / 2 here)."""
+    return max(1, cfg.dp // 2)
+
+
+def state_divisors(cfg) -> tuple[int, int, int]:
+    """Divisors of (params, grads, optimizer) bytes from the sharding."""
+    what, n = sharding(cfg)
+    return {"none": (1, 1, 1), "optimizer": (1, 1, n), "grads": (1, n, n), "params": (n, n, n)}[what]
+
+
+# --- activations ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ActivationModel:
+    """`table2`: Korthikanti et al.'s assumptions (dropout, attention scores saved);
+    `suite`: this suite's GPT (no dropout, fused attention saving only its log-sum-exp)."""
+
+    name: str = "table2"
+
+    @property
+    def dropout(self) -> bool:
+        return self.name == "table2"
+
+    @property
+    def flash(self) -> bool:
+        return self.name == "suite"
+
+
+ACTIVATION_MODELS = ("table2", "suite")
+
+
+@lru_cache(maxsize=65536)
+def layer_activation_bytes(m: GPTConfig, b: int, s: int, tp: int = 1, sp: bool = False,
+                           recompute: str = "none", e: int = 2, act: ActivationModel = ActivationModel()) -> float:
+    """Bytes one layer saves for backward for one micro-batch on one tp rank (see module docstring)."""
+    h, a, f, tokens = m.hidden, m.heads, m.ffn_hidden, s * b
+    if recompute == "full":
+        return e * tokens * h / (tp if sp else 1)
+    mask = 1 if act.dropout else 0  # 1-byte dropout masks
+    # norm inputs (2), qkv input, fc1 input, and the two residual dropout masks: not split by tp
+    replicated = 4 * e * h + 2 * mask * h
+    mlp = e * (4 * f if m.activation == "swiglu" else 2 * f)  # gelu: fc1 out + fc2 in; swiglu: + gate
+    split = e * 4 * h + mlp  # Q, K, V, proj input, MLP internals
+    if recompute == "selective" or act.flash:
+        scores = 4 * a if act.flash and recompute != "selective" else 0  # fused kernel: fp32 log-sum-exp
+    else:
+        scores = a * s * (e + mask * (1 + e))  # softmax out, dropout mask, dropout out
+    per_token = (replicated / tp if sp else replicated) + split / tp + scores / tp
+    return tokens * per_token
+
+
+@lru_cache(maxsize=65536)
+def head_activation_bytes(m: GPTConfig, b: int, s: int, tp: int, sp: bool, e: int) -> float:
+    """Final norm input, head input, logits (e) and the loss's fp32 softmax, per micro-batch."""
+    tokens = s * b
+    return tokens * (2 * e * m.hidden / (tp if sp else 1) + (e + 4) * m.vocab / tp)
+
+
+# --- per rank ------------------------------------------------------------------------------------
+def stage_memory(cfg, stage: int, mixed_state: str = "zero", act: ActivationModel = ActivationModel()) -> dict:
+    """Bytes held by one rank of pipeline stage `stage` at its peak (cfg: RunConfig-like)."""
+    m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
+    n_params = stage_params(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage)
+    dp_, dg, do = state_divisors(cfg)
+    per_layer = layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
+                                       cfg.recompute, prec.act, act)
+    layers_in_flight = in_flight_layers(stage, m.layers, cfg.pp, cfg.micro_batches, cfg.schedule,
+                                        cfg.virtual_stages)
+    activations = per_layer * layers_in_flight
+    if stage == cfg.pp - 1:
+        mbs = in_flight_micro_batches(stage, cfg.pp, cfg.micro_batches, cfg.schedule)
+        activations += mbs * head_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp,
+                                                   cfg.sequence_parallel, prec.act)
+    transient = 0.0
+    if cfg.recompute == "full":  # backward recomputes one layer's full activations
+        transient += layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
+                                            "none", prec.act, act)
+    if dp_ > 1:  # sharded params: two blocks gathered (compute + prefetch), one block of full grads
+        transient += block_params_local(m, cfg.tp) * (2 * prec.param + prec.grad)
+    out = {"params_bytes": n_params * prec.param / dp_, "grads_bytes": n_params * prec.grad / dg,
+           "optimizer_bytes": n_params * prec.optimizer / do, "activation_bytes": activations,
+           "activation_bytes_per_layer": per_layer, "transient_bytes": transient}
+    out["total_bytes"] = sum(out[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
+                                               "activation_bytes", "transient_bytes"))
+    return out
+
+
+def model_state_bytes(params: float, dp: int = 1, zero: int = 0, dtype: str = "bf16-mixed",
+                      mixed_state: str = "zero") -> dict:
+    """Model-state bytes per device for `params` parameters (ZeRO paper §3.1/§5, `--params` mode)."""
+    prec = precision(dtype, mixed_state)
+    div = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[zero]
+    out = {"params_bytes": params * prec.param / div[0], "grads_bytes": params * prec.grad / div[1],
+           "optimizer_bytes": params * prec.optimizer / div[2]}
+    out["total_bytes"] = sum(out.values())
+    return out
