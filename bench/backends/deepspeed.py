@@ -1,0 +1,355 @@
+"""DeepSpeed backend: `deepspeed.initialize` on the shared GPT, ZeRO 0-3 or the pipeline engine.
+
+- The DeepSpeed config is generated from the RunConfig (`deepspeed_config.final_config`), `ds_set`
+  overrides applied, and recorded in the row (`ds_config`).
+- ZeRO reduces over *our* dp group: DeepSpeed gets an `mpu` view of our ProcessGroups, as
+  Megatron-DeepSpeed hands it Megatron's. The pipeline engine gets a ProcessTopology whose axis
+  order is our Layout's rank order, so its grid's groups are exactly our tp/pp/dp groups.
+- Stage 3 builds the GPT inside `deepspeed.zero.Init` (each module's weights are partitioned as soon
+  as it is built) and writes each rank's partition from `models.init_value`: weights equal the
+  reference and no rank ever holds the whole model.
+- The pipeline is a `PipelineModule` of LayerSpecs over the shared model's own pieces (embedding,
+  blocks, norm + head): a stage builds only its layers.
+- Warm rank processes: DeepSpeed keeps module-level state (its comm backend `cdb`, cached groups in
+  `deepspeed.utils.groups`, the pipeline p2p grid, the comms logger). `cdb` follows
+  torch.distributed (its `is_initialized` asks torch, and it holds no group), so it survives the
+  worker's destroy/re-init; the rest is released in `close()` (see `_release_global_state`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+from bench.backends.base import RunContext, Trainer, make_optimizer
+from bench.backends.deepspeed_config import final_config
+from bench.data import micro_batches
+from bench.distributed import ProcessGroups, comm_backend
+from bench.metrics.memory import optimizer_tensors
+from models import GPT, Block, init_value, loss_fn
+from models.gpt import Embedding, _norm
+
+# Our dims → DeepSpeed's topology axis names.
+_AXIS = {"tp": "model", "pp": "pipe", "dp": "data"}
+
+
+def build(cfg, ctx: RunContext) -> Trainer:
+    ds = _import_deepspeed(ctx)
+    config = final_config(cfg)
+    if cfg.tp > 1:
+        raise NotImplementedError("backend deepspeed: tp > 1 needs the native TP layers (bench.native.tensor)")
+    if cfg.pp > 1:
+        return PipelineTrainer(ds, ctx, config)
+    return ZeroTrainer(ds, ctx, config)
+
+
+def _import_deepspeed(ctx: RunContext):
+    os.environ["DS_ACCELERATOR"] = "cuda" if ctx.device.type == "cuda" else "cpu"  # read at first import
+    import deepspeed
+    # TorchBackend JIT-compiles a shared-memory op (gcc, minutes) used only for inference all-reduce.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    _release_global_state()  # a previous run in this process may have died before close()
+    deepspeed.init_distributed(dist_backend=comm_backend(ctx.device), dist_init_required=False)
+    return deepspeed
+
+
+def _release_global_state() -> None:
+    """Forget what DeepSpeed cached about the last run's process groups and logging."""
+    from deepspeed import comm
+    from deepspeed.runtime.pipe import p2p
+    from deepspeed.utils import groups
+    groups._release_process_group_references(group=None)
+    p2p._groups, p2p._grid, p2p._async = None, None, []
+    comm.comms_logger.enabled = False
+    comm.comms_logger.comms_dict = {}
+
+
+class GroupsMpu:
+    """DeepSpeed's `mpu` interface over our ProcessGroups (model parallel = tp, as with pp = 1)."""
+
+    def __init__(self, groups: ProcessGroups):
+        self.g = groups
+
+    def get_data_parallel_group(self):
+        return self.g.dp
+
+    def get_data_parallel_world_size(self):
+        return self.g.layout.dp
+
+    def get_data_parallel_rank(self):
+        return self.g.coord.dp
+
+    def get_data_parallel_group_ranks(self):
+        return list(self.g.ranks["dp"])
+
+    def get_model_parallel_group(self):
+        return self.g.tp
+
+    def get_model_parallel_world_size(self):
+        return self.g.layout.tp
+
+    def get_model_parallel_rank(self):
+        return self.g.coord.tp
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.g.ranks["tp"][0]
+
+    def get_pipeline_model_parallel_group(self):
+        return self.g.pp
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.g.layout.pp
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.g.coord.pp
+
+
+def topology(layout):
+    """DeepSpeed ProcessTopology with the rank order of `layout` (DeepSpeed lists axes slowest first)."""
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+    dims = list(reversed(layout.order.split("-")))  # e.g. tp-pp-dp → [dp, pp, tp]
+    return ProcessTopology(axes=[_AXIS[d] for d in dims], dims=[getattr(layout, d) for d in dims])
+
+
+def fill_from_reference(module: nn.Module, prefix: str, mcfg, seed: int) -> nn.Module:
+    """Write the reference initial value of every parameter (named as in the full GPT)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(init_value(prefix + name, p.shape, mcfg, seed))
+    return module
+
+
+# --- gradient / state accounting -------------------------------------------------------------------
+_MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
+                 "fp32_groups_flat", "fp32_groups")
+_GRAD_ATTRS = ("grads_in_partition", "grad_partitions_flat_buffer")
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """Every tensor in an attribute value (tensor, list, dict, nested)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _without(tensors, exclude) -> list[torch.Tensor]:
+    keys = {_storage_key(t) for t in exclude if t is not None and t.untyped_storage().nbytes()}
+    return [t for t in tensors if t is not None and _storage_key(t) not in keys]
+
+
+class _DeepSpeedTrainer(Trainer):
+    """What ZeRO and pipeline trainers share: the engine, state accounting, extras, cleanup."""
+
+    tp_impl = "none"
+
+    def __init__(self, ds, ctx: RunContext, config: dict):
+        self.ds, self.ctx, self.config = ds, ctx, config
+        self._grads: list[torch.Tensor] = []
+        self._comms_before: dict = {}
+        self._comms_step: dict = {}
+
+    def _initialize(self, model: nn.Module, mpu=None):
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+        self.engine, self.optimizer, _, _ = self.ds.initialize(
+            model=model, optimizer=optimizer, config=self.config, mpu=mpu, dist_init_required=False)
+        self.client_optimizer = optimizer
+        self._capture_grads_at_step()
+
+    def _capture_grads_at_step(self) -> None:
+        """DeepSpeed frees gradients right after its optimizer step; the base contract keeps them until
+        the next step starts. So take hold of the gradient tensors DeepSpeed has when its optimizer
+        step begins (after backward and the gradient reduction), and release them at the next step."""
+        opt = self.engine.optimizer
+        inner_step = opt.step
+
+        def step(*args, **kwargs):
+            self._grads = self._live_grads()
+            return inner_step(*args, **kwargs)
+        opt.step = step
+
+    def _live_grads(self) -> list[torch.Tensor]:
+        params = list(self.engine.module.parameters())
+        found = [p.grad for p in params] + [getattr(p, "grad_accum", None) for p in params]
+        opt = self.engine.optimizer
+        for attr in ("averaged_gradients", *_GRAD_ATTRS):
+            found += _tensors(getattr(opt, attr, None))
+        return [t for t in found if t is not None and t.numel() > 0]
+
+    def _begin_step(self) -> None:
+        self._grads = []  # the base contract: gradients of the last step live until the next starts
+        self._comms_before = _comms_counts()
+
+    def _end_step(self) -> None:
+        self._comms_step = _comms_delta(self._comms_before, _comms_counts())
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """DeepSpeed's real local tensors: the module's parameter storage (stage 3: the `ds_tensor`
+        partitions and any parameter it keeps whole), the gradients it held at its optimizer step,
+        and the optimizer's state plus the fp32 master partitions ZeRO keeps beside the parameters."""
+        params = []
+        for p in self.engine.module.parameters():
+            params += [p.data if p.numel() else None, getattr(p, "ds_tensor", None)]
+        params = [t for t in params if t is not None and t.numel() > 0]
+        opt = self.engine.optimizer
+        masters = [t for attr in _MASTER_ATTRS for t in _tensors(getattr(opt, attr, None))]
+        optimizer = _without(masters + optimizer_tensors(self.client_optimizer), params)
+        return {"params": params, "grads": _without(self._grads, params), "optimizer": optimizer}
+
+    def extras(self) -> dict:
+        out = {"ds_config": json.dumps(self.config, sort_keys=True), "tp_impl": self.tp_impl,
+               "ds_optimizer": type(self.engine.optimizer).__name__}
+        if self._comms_step:  # comms logger on (ds_set comms_logger.enabled=true): the last step's record
+            out["ds_comms_logger"] = json.dumps(self._comms_step, sort_keys=True)
+        return out
+
+    def close(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.destroy()
+        self.engine = self.optimizer = self.client_optimizer = None
+        self._grads = []
+        _release_global_state()
+
+
+def _comms_counts() -> dict:
+    """{op: {msg_size: count}} from DeepSpeed's comms logger (empty when it is off)."""
+    from deepspeed import comm
+    if not comm.comms_logger.enabled:
+        return {}
+    return {op: {size: rec[0] for size, rec in sizes.items()} for op, sizes in comm.comms_logger.comms_dict.items()}
+
+
+def _comms_delta(before: dict, after: dict) -> dict:
+    """{op: {"ops": n, "bytes": b}} issued between two snapshots (latencies ignored: cumulative bug)."""
+    out = {}
+    for op, sizes in after.items():
+        ops = nbytes = 0
+        for size, count in sizes.items():
+            n = count - before.get(op, {}).get(size, 0)
+            ops, nbytes = ops + n, nbytes + n * size
+        if ops:
+            out[op] = {"ops": ops, "bytes": nbytes}
+    return out
+
+
+class ZeroTrainer(_DeepSpeedTrainer):
+    """tp = pp = 1 (or tp through the native layers): DeepSpeedEngine with ZeRO 0-3 over our dp group."""
+
+    def __init__(self, ds, ctx: RunContext, config: dict):
+        super().__init__(ds, ctx, config)
+        self.mpu = GroupsMpu(ctx.groups)
+        self._initialize(self._build_model(), mpu=self.mpu)
+
+    def _build_model(self) -> nn.Module:
+        cfg, mcfg = self.ctx.cfg, self.ctx.cfg.model_config
+        if cfg.zero < 3:
+            from models import build_model
+            return build_model(mcfg, cfg.seed, "cpu")
+        # Each module's weights are partitioned over dp as soon as the module is built. No `dtype=`:
+        # 0.19.8 ignores it on a CPU without fp16 (operator precedence in Init._set_dtype) and
+        # builds bf16 weights; without it the dtype comes from the config (fp32 or bf16).
+        with self.ds.zero.Init(config_dict_or_path=self.config, mpu=self.mpu):
+            model = GPT(mcfg)
+        for name, p in model.named_parameters():
+            _fill_partition(p, init_value(name, p.ds_shape, mcfg, cfg.seed))
+        return model
+
+    def train_step(self, step: int) -> float:
+        cfg, ctx = self.ctx.cfg, self.ctx
+        self._begin_step()
+        total = 0.0
+        for x, y in micro_batches(cfg, step, ctx.groups.coord.dp):
+            x, y = x.to(self.engine.device), y.to(self.engine.device)
+            loss = loss_fn(self.engine(x), y)
+            self.engine.backward(loss)  # DeepSpeed scales by 1 / gradient_accumulation_steps
+            self.engine.step()  # steps the optimizer at the accumulation boundary only
+            total += loss.item() / cfg.micro_batches
+        self._end_step()
+        return total
+
+
+def _fill_partition(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Write this rank's ZeRO-3 partition of `full`: the flat slice [rank·n, (rank+1)·n), zero-padded."""
+    import deepspeed.comm as dist
+    part = p.ds_tensor
+    n = part.numel()
+    start = dist.get_rank(group=p.ds_process_group) * n
+    flat = full.reshape(-1)[start:start + n]
+    with torch.no_grad():
+        part.zero_()
+        part[:flat.numel()].copy_(flat.to(part.dtype))
+        if p.numel():  # a parameter DeepSpeed keeps whole (persistence threshold) also holds the full value
+            p.data.copy_(full.to(p.dtype))
+
+
+# --- pipeline ---------------------------------------------------------------------------------------
+class EmbedLayer(nn.Module):
+    """Pipeline layer 0: the shared model's embedding (token + position)."""
+
+    def __init__(self, mcfg, seed: int):
+        super().__init__()
+        self.embed = fill_from_reference(Embedding(mcfg), "embed.", mcfg, seed)
+
+    def forward(self, idx):  # (B, T) → (B, T, h)
+        return self.embed(idx)
+
+
+class BlockLayer(nn.Module):
+    """Pipeline layer 1 + i: the shared model's block i."""
+
+    def __init__(self, mcfg, index: int, seed: int):
+        super().__init__()
+        self.block = fill_from_reference(Block(mcfg), f"blocks.{index}.", mcfg, seed)
+
+    def forward(self, x):  # (B, T, h) → (B, T, h)
+        return self.block(x)
+
+
+class HeadLayer(nn.Module):
+    """Last pipeline layer: the shared model's final norm and head."""
+
+    def __init__(self, mcfg, seed: int):
+        super().__init__()
+        self.norm = fill_from_reference(_norm(mcfg), "norm.", mcfg, seed)
+        self.head = fill_from_reference(nn.Linear(mcfg.hidden, mcfg.vocab, bias=False), "head.", mcfg, seed)
+
+    def forward(self, x):  # (B, T, h) → (B, T, vocab)
+        return self.head(self.norm(x))
+
+
+class PipelineTrainer(_DeepSpeedTrainer):
+    """pp > 1: DeepSpeed's PipelineEngine (its 1F1B schedule), ZeRO 0/1 over the dp groups."""
+
+    def __init__(self, ds, ctx: RunContext, config: dict):
+        super().__init__(ds, ctx, config)
+        from deepspeed.pipe import LayerSpec, PipelineModule
+        mcfg, seed = ctx.cfg.model_config, ctx.cfg.seed
+        layers = [LayerSpec(EmbedLayer, mcfg, seed),
+                  *(LayerSpec(BlockLayer, mcfg, i, seed) for i in range(mcfg.layers)),
+                  LayerSpec(HeadLayer, mcfg, seed)]
+        net = PipelineModule(layers=layers, loss_fn=loss_fn, topology=topology(ctx.groups.layout),
+                             partition_method="uniform")
+        self._initialize(net)
+
+    def train_step(self, step: int) -> float | None:
+        self._begin_step()
+        data = iter(micro_batches(self.ctx.cfg, step, self.ctx.groups.coord.dp))
+        loss = self.engine.train_batch(data_iter=data)  # mean over micro-batches and dp
+        self._end_step()
+        return float(loss) if self.engine.is_last_stage() else None
