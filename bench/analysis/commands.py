@@ -1,4 +1,140 @@
-"""CLI commands of bench.analysis (registered on the `bench` app in bench/cli.py)."""
+"""CLI commands of bench.analysis (registered on the `bench` app in bench/cli.py): layout, estimate,
+plan. They parse, call the pure functions of this package, and print."""
+from __future__ import annotations
+
 import click
 
+from bench.cli import config_from_options, config_options, echo_json
+
 COMMANDS: list[click.Command] = []
+
+_MIXED = click.option("--mixed-state", type=click.Choice(["zero", "autocast"]), default="zero", show_default=True,
+                      help="mixed-precision model state: zero = 2+2+12 bytes/param (ZeRO paper, Megatron); "
+                           "autocast = 4+4+8 (fp32 weights, as this suite's torch engines)")
+_ACTS = click.option("--activations", type=click.Choice(["table2", "suite"]), default="table2", show_default=True,
+                     help="table2 = Korthikanti et al. 2022 (dropout, attention scores saved); "
+                          "suite = this suite's GPT (no dropout, fused attention)")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**28 else f"{n / 2**20:,.2f} MiB"
+
+
+@click.command("layout")
+@config_options
+@click.option("--gpus-per-node", type=int, default=8, show_default=True, help="GPUs per node")
+@click.option("--rack-size", type=int, default=None, help="nodes per rack: warn about pipeline sends across racks")
+@click.option("--json", "as_json", is_flag=True, help="ranks, groups, links and warnings as JSON")
+def layout(gpus_per_node, rack_size, as_json, **options):
+    """Explain a tp × pp × dp layout: which GPU computes which stage, who talks to whom, over which link.
+
+    With --model, each group also shows the ops and bytes per step it moves (other flags as `bench run`)."""
+    from bench.analysis.explain import explain, format_text
+    from bench.layout import Layout
+    lay = Layout(options["tp"] or 1, options["pp"] or 1, options["dp"] or 1, options["order"] or "tp-pp-dp",
+                 gpus_per_node)
+    if rack_size is not None and rack_size < 1:
+        raise click.BadParameter("must be ≥ 1", param_hint="--rack-size")
+    cfg = config_from_options(options) if options["model"] else None
+    info = explain(lay, rack_size, cfg)
+    if as_json:
+        echo_json(info)
+    else:
+        click.echo(format_text(info))
+
+
+@click.command("estimate")
+@config_options
+@click.option("--params", "n_params", type=float, default=None,
+              help="a bare parameter count (e.g. 7.5e9): model-state memory only, from --dp --zero --dtype")
+@click.option("--hardware", default=None, help="profile name (a100-80gb, h100-sxm, h200, cpu) or a YAML file: "
+                                                "adds the predicted step time, tokens/s and MFU")
+@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the hardware's)")
+@_MIXED
+@_ACTS
+@click.option("--json", "as_json", is_flag=True, help="print every predicted figure as one JSON object")
+def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, as_json, **options):
+    """Predict per-rank memory, communication per step, bubble, FLOPs (and time) of one config.
+
+    Takes the same flags as `bench run`; impossible configs are refused with RunConfig's reason."""
+    from bench.analysis.estimate import estimate as predict
+    from bench.analysis.estimate import estimate_params
+    if n_params is not None:
+        est = estimate_params(n_params, options["dp"] or 1, int(options["zero"] or 0),
+                              options["dtype"] or "bf16-mixed", mixed_state)
+    else:
+        cfg = config_from_options(options)
+        est = predict(cfg, hardware, gpus_per_node, mixed_state, activations)
+    if as_json:
+        echo_json(est)
+        return
+    _print_estimate(est)
+
+
+def _print_estimate(est: dict) -> None:
+    if "world_size" not in est:  # --params
+        click.echo(f"{est['params']:.4g} params, dp={est['dp']}, ZeRO-{est['zero']}, {est['dtype']}, per device:")
+    else:
+        click.echo(f"per rank (stage {est['worst_stage']}, the largest), {est['mixed_state']} state convention, "
+                   f"{est['activations']} activations:")
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
+                "total_bytes"):
+        if key in est:
+            click.echo(f"  {key.removesuffix('_bytes'):<12} {_gib(est[key]):>14}")
+    if "world_size" not in est:
+        return
+    click.echo(f"  activations per layer and micro-batch: {_gib(est['activation_bytes_per_layer'])}")
+    click.echo("communication per step and rank (payload / ring wire):")
+    for dim in ("tp", "pp", "dp"):
+        click.echo(f"  {dim}: {_gib(est[f'comm_bytes_{dim}']):>14} / {_gib(est[f'comm_wire_bytes_{dim}']):>14}")
+    click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")
+    if "step_time_s" in est:
+        click.echo(f"on {est['hardware']} (links tp {est['links']['tp']}, pp {est['links']['pp']}, "
+                   f"dp {est['links']['dp']}): step {est['step_time_s']:.3f} s = compute {est['compute_s']:.3f} "
+                   f"+ exposed comm {est['exposed_comm_s']:.3f} + bubble {est['bubble_s']:.3f}")
+        click.echo(f"  {est['tokens_per_s']:,.0f} tokens/s   MFU {est['mfu']:.1%}   "
+                   f"{'fits' if est['fits'] else 'DOES NOT FIT'} in {_gib(est['memory_limit_bytes'])}")
+
+
+@click.command("plan")
+@click.option("--model", required=True, help="model preset (models.PRESETS)")
+@click.option("--gpus", type=int, required=True, help="GPUs in the cluster")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--hardware", required=True, help="profile name or YAML file (see bench/analysis/hardware.py)")
+@click.option("--global-batch", type=int, required=True, help="sequences per optimizer step")
+@click.option("--seq", type=int, default=None, help="sequence length (default: the model's seq_len)")
+@click.option("--dtype", type=click.Choice(["bf16-mixed", "fp16-mixed", "fp32"]), default="bf16-mixed",
+              show_default=True)
+@click.option("--top", type=int, default=5, show_default=True, help="configs to print")
+@click.option("--memory-fraction", type=float, default=0.9, show_default=True,
+              help="share of device memory a config may use")
+@_MIXED
+@_ACTS
+@click.option("--json", "as_json", is_flag=True, help="a list of configs, best first (RunConfig fields + predictions)")
+def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, memory_fraction, mixed_state,
+         activations, as_json):
+    """Rank every valid (tp, pp, dp, sharding, schedule, micro-batch, order) config by predicted throughput."""
+    from bench.analysis.planner import describe
+    from bench.analysis.planner import plan as make_plan
+    result = make_plan(model, gpus, gpus_per_node, hardware, global_batch, seq, top, dtype, mixed_state,
+                       activations, memory_fraction)
+    if as_json:
+        echo_json(result.configs)
+        return
+    click.echo(f"{result.considered:,} configs considered, {result.valid:,} valid and distinct, "
+               f"{result.fitting:,} fit in memory; dropped:")
+    for reason, count in result.dropped.most_common():
+        click.echo(f"  {count:>7,}  {reason}")
+    if not result.configs:
+        click.echo("no config fits: add GPUs, lower the global batch or the sequence length")
+        return
+    click.echo(f"top {len(result.configs)} by predicted tokens/s:")
+    for i, row in enumerate(result.configs, 1):
+        click.echo(f"{i}. {describe(row)}")
+        click.echo(f"   {row['tokens_per_s']:,.0f} tokens/s  MFU {row['mfu']:.1%}  step {row['step_time_s']:.2f} s "
+                   f"(compute {row['compute_s']:.2f}, comm tp {row['comm_tp_s']:.2f} pp {row['comm_pp_s']:.2f} "
+                   f"dp {row['comm_dp_exposed_s']:.2f}, bubble {row['bubble_s']:.2f})  "
+                   f"memory {_gib(row['total_bytes'])} (act {_gib(row['activation_bytes'])})")
+
+
+COMMANDS += [layout, estimate, plan]
