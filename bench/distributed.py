@@ -93,13 +93,16 @@ class ProcessGroups:
         return getattr(self.layout, dim)
 
     def dim_of(self, group_ranks: tuple[int, ...] | list[int]) -> str:
-        """Name a group by its ranks: tp, pp, dp, world, or other (a group some backend built itself)."""
+        """Name a group by its ranks: tp, pp, dp (or a sub-group of one), world, or other."""
         key = sorted(group_ranks)
         for dim in DIMS:
             if len(key) > 1 and key == self.ranks[dim]:
                 return dim
         if key == list(range(self.layout.world_size)):
             return "world"
+        for dim in DIMS:  # a sub-group of one dim's group (HSDP's replicate/shard groups split dp)
+            if len(key) > 1 and set(key) <= set(self.ranks[dim]):
+                return dim
         return "other"
 
 

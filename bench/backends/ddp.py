@@ -1,0 +1,50 @@
+"""`ddp`: torch DistributedDataParallel over the dp group, the plain data-parallel baseline.
+
+Every rank holds the whole model (built from the shared init, so no broadcast is needed for
+parity, though DDP still broadcasts once at construction). Gradients are all-reduced once per step
+in buckets of `bucket_mb` MiB; micro-batches before the last accumulate locally under `no_sync`.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from bench.backends.base import RunContext, Trainer, make_optimizer
+from bench.data import micro_batches
+from models import build_model, loss_fn
+
+
+class DDPTrainer(Trainer):
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        cfg = ctx.cfg
+        self.model = build_model(cfg.model_config, cfg.seed, ctx.device)
+        self.ddp = DistributedDataParallel(self.model, process_group=ctx.groups.dp, bucket_cap_mb=cfg.bucket_mb,
+                                           device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        self.optimizer = make_optimizer(self.model.parameters())
+
+    def train_step(self, step: int) -> float:
+        cfg, ctx = self.ctx.cfg, self.ctx
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = micro_batches(cfg, step, ctx.groups.coord.dp)
+        total = 0.0
+        for i, (x, y) in enumerate(batches):
+            x, y = x.to(ctx.device), y.to(ctx.device)  # (micro_batch, seq)
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else self.ddp.no_sync():  # all-reduce on the last only
+                with torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype,
+                                    enabled=ctx.autocast_dtype is not None):
+                    loss = loss_fn(self.ddp(x), y) / cfg.micro_batches
+                loss.backward()
+            total += loss.item()
+        self.optimizer.step()
+        return total
+
+    def extras(self) -> dict:
+        return {"dp_impl": "torch DDP"}
+
+
+def build(cfg, ctx: RunContext) -> Trainer:
+    return DDPTrainer(ctx)

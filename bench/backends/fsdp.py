@@ -1,0 +1,194 @@
+"""`fsdp`: PyTorch FSDP2 (`fully_shard`) on the shared GPT, with DTensor TP and torch pipelining.
+
+Applied in the fixed order TP → PP → DP (torchtitan-style), on one DeviceMesh built from our Layout:
+- TP: `parallelize_module` on the mesh's tp dim: qkv and fc1 Colwise, proj and fc2 Rowwise (the fused
+  qkv is laid out (heads, 3, head_dim), so a contiguous Colwise shard is whole heads). Embedding,
+  norms and LM head stay replicated over tp (their grads are identical on every tp rank).
+- PP: `torch.distributed.pipelining` stages cut from the GPT (embed on the first stage, norm + head on
+  the last); gpipe → ScheduleGPipe, 1f1b → Schedule1F1B, interleaved → ScheduleInterleaved1F1B with
+  `virtual_stages` chunks per rank (chunk j of pp rank r is stage r + j·pp).
+- DP: `fully_shard` per block, then on each model chunk (the root), over the dp dim:
+    full     reshard_after_forward=True: all-gather in forward and again in backward (ZeRO-3)
+    grad-op  reshard_after_forward=False: one all-gather per step, params kept until backward (ZeRO-2)
+    hybrid   HSDP on a (replicate, shard) split of the dp ranks; shard = the dp ranks of one node,
+             capped so at least 2 replicas remain (`sharded_init.hybrid_shape`)
+    none     FSDP2's `replicate` (DDP semantics on FSDP2's machinery): no sharding, one gradient
+             all-reduce per block group, the DDP-equivalent baseline inside this backend
+  bf16-mixed = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 compute and all-gathers,
+  fp32 gradient reduction and fp32 master shards.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from bench.backends.base import RunContext, Trainer, make_optimizer
+from bench.backends.sharded_init import (device_mesh, dp_ranks_per_node, hybrid_shape, materialize, meta_module,
+                                        reset_dtensor_caches)
+from bench.data import micro_batches
+from bench.metrics.memory import optimizer_tensors
+from models import GPT, GPTConfig, loss_fn
+from models.gpt import Block, Embedding, _norm
+
+RESHARD = {"full": True, "grad-op": False, "hybrid": True}
+
+
+class StageModule(nn.Module):
+    """Layers [lo, hi) of the GPT, plus the embedding on the first stage and norm + head on the last.
+
+    Parameter names equal the full model's (`blocks.5.attn.qkv.weight`), so `init_value` fills them."""
+
+    def __init__(self, cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.embed = Embedding(cfg) if first else None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(lo, hi)})
+        self.norm = _norm(cfg) if last else None
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)  # (B, T) tokens → (B, T, h)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))  # (B, T, vocab)
+        return x
+
+
+def blocks_of(chunk: nn.Module) -> list[nn.Module]:
+    return list(chunk.blocks.values()) if isinstance(chunk.blocks, nn.ModuleDict) else list(chunk.blocks)
+
+
+def stage_layers(layers: int, stages: int, index: int) -> tuple[int, int]:
+    """Layer range [lo, hi) of pipeline stage `index`: an even split, earlier stages take the remainder."""
+    base, extra = divmod(layers, stages)
+    lo = index * base + min(index, extra)
+    return lo, lo + base + (1 if index < extra else 0)
+
+
+def apply_tp(chunk: nn.Module, tp_mesh) -> None:
+    """Megatron's column → row split per block on the tp mesh: 2 all-reduces forward, 2 backward."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    for block in blocks_of(chunk):
+        parallelize_module(block, tp_mesh, plan)
+
+
+def apply_dp(chunk: nn.Module, strategy: str, dp_mesh, mp_policy) -> None:
+    """Shard (or replicate) each block as its own communication group, then the rest at the root."""
+    if strategy == "none":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        for block in blocks_of(chunk):
+            replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
+        replicate(chunk, mesh=dp_mesh, mp_policy=mp_policy)
+        return
+    from torch.distributed.fsdp import fully_shard
+    for block in blocks_of(chunk):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=RESHARD[strategy], mp_policy=mp_policy)
+    # None = FSDP2's default for a root: keep its params after forward, backward needs them first.
+    fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=None, mp_policy=mp_policy)
+
+
+class FSDPTrainer(Trainer):
+    def __init__(self, ctx: RunContext):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        reset_dtensor_caches()
+        self.ctx = ctx
+        cfg, layout, rank = ctx.cfg, ctx.groups.layout, ctx.groups.rank
+        self.hybrid = (hybrid_shape(cfg.dp, dp_ranks_per_node(layout, rank)) if cfg.fsdp == "hybrid" else None)
+        self.mesh = device_mesh(layout, ctx.device, self.hybrid)
+        dp_mesh = self.mesh["dp_rep", "dp_shard"] if self.hybrid else self.mesh["dp"]
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if cfg.dtype == "bf16-mixed" else MixedPrecisionPolicy())
+        self.stage_ids = self._stage_ids()
+        self.chunks = [self._build_chunk(i) for i in self.stage_ids]
+        for chunk in self.chunks:
+            if cfg.tp > 1:
+                apply_tp(chunk, self.mesh["tp"])
+            apply_dp(chunk, cfg.fsdp, dp_mesh, mp)
+            materialize(chunk, cfg.model_config, cfg.seed, ctx.device)
+        self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
+        self.schedule = self._schedule() if cfg.pp > 1 else None
+        self.optimizer = make_optimizer([p for c in self.chunks for p in c.parameters()])
+
+    # --- construction ------------------------------------------------------------------------
+    @property
+    def n_stages(self) -> int:
+        cfg = self.ctx.cfg
+        return cfg.pp * (cfg.virtual_stages if cfg.schedule == "interleaved" else 1)
+
+    def _stage_ids(self) -> list[int]:
+        pp, r = self.ctx.cfg.pp, self.ctx.groups.coord.pp
+        return list(range(r, self.n_stages, pp))  # looped: chunk j of pp rank r is stage r + j·pp
+
+    def _build_chunk(self, stage: int) -> nn.Module:
+        m = self.ctx.cfg.model_config
+        if self.n_stages == 1:
+            return meta_module(lambda: GPT(m))
+        lo, hi = stage_layers(m.layers, self.n_stages, stage)
+        return meta_module(lambda: StageModule(m, lo, hi, stage == 0, stage == self.n_stages - 1))
+
+    def _schedule(self):
+        from torch.distributed import pipelining as tpp
+
+        cfg, group = self.ctx.cfg, self.mesh["pp"].get_group()
+        stages = [tpp.PipelineStage(c, i, self.n_stages, self.ctx.device, group=group)
+                  for c, i in zip(self.chunks, self.stage_ids)]
+        if cfg.schedule == "interleaved":
+            return tpp.ScheduleInterleaved1F1B(stages, n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
+        kind = {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[cfg.schedule]
+        return kind(stages[0], n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
+
+    # --- training ----------------------------------------------------------------------------
+    def train_step(self, step: int) -> float | None:
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = micro_batches(self.ctx.cfg, step, self.ctx.groups.coord.dp)
+        loss = self._pipeline_step(batches) if self.schedule else self._local_step(batches)
+        self.optimizer.step()
+        return loss
+
+    def _local_step(self, batches) -> float:
+        cfg, device, total = self.ctx.cfg, self.ctx.device, 0.0
+        for i, (x, y) in enumerate(batches):
+            if cfg.micro_batches > 1:  # reduce gradients once, after the last micro-batch
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            loss = loss_fn(self.model(x.to(device)), y.to(device)) / cfg.micro_batches
+            loss.backward()
+            total += loss.item()
+        return total
+
+    def _pipeline_step(self, batches) -> float | None:
+        x = torch.cat([b[0] for b in batches]).to(self.ctx.device)  # (micro_batches · micro_batch, seq)
+        y = torch.cat([b[1] for b in batches]).to(self.ctx.device)
+        pp_rank, pp = self.ctx.groups.coord.pp, self.ctx.cfg.pp
+        losses: list[torch.Tensor] = []
+        if pp_rank == 0:
+            self.schedule.step(x)  # first stage feeds tokens; the schedule splits them into micro-batches
+        elif pp_rank == pp - 1:
+            self.schedule.step(target=y, losses=losses)
+        else:
+            self.schedule.step()
+        return float(torch.stack([l.detach().float() for l in losses]).mean()) if losses else None
+
+    # --- measurement -------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = [p for c in self.chunks for p in c.parameters()]  # DTensors: counted by local shard
+        return {"params": params, "grads": [p.grad for p in params],
+                "optimizer": optimizer_tensors(self.optimizer)}
+
+    def extras(self) -> dict:
+        cfg = self.ctx.cfg
+        rep, shard = self.hybrid or ((cfg.dp, 1) if cfg.fsdp == "none" else (1, cfg.dp))
+        return {"fsdp_replicate": rep, "fsdp_shard": shard, "dp_impl": f"FSDP2 {cfg.fsdp}",
+                "tp_impl": "DTensor parallelize_module" if cfg.tp > 1 else None,
+                "pp_impl": f"torch.distributed.pipelining {cfg.schedule}" if cfg.pp > 1 else None}
+
+    def close(self) -> None:
+        reset_dtensor_caches()  # the next run in this process gets new groups
+
+
+def build(cfg, ctx: RunContext) -> Trainer:
+    return FSDPTrainer(ctx)
