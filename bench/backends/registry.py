@@ -52,9 +52,17 @@ def _fsdp(cfg: "RunConfig") -> str | None:
     if cfg.sequence_parallel:
         return "backend fsdp: sequence_parallel is not supported (native engine only)"
     if cfg.fsdp == "hybrid" and cfg.dp < 2:
-        return "backend fsdp: fsdp=hybrid needs dp ≥ 2 (replicate × shard)"
-    if cfg.tp > 1 and cfg.model_config.activation == "swiglu":
-        return "backend fsdp: tp > 1 with a swiglu model is not supported (fused gate/up cannot be Colwise-split)"
+        return (f"backend fsdp: fsdp=hybrid needs dp ≥ 2 (replicate × shard), got dp={cfg.dp}; "
+                "use fsdp=full, or raise dp")
+    if cfg.dtype == "fp16-mixed":
+        return "backend fsdp supports dtype fp32 and bf16-mixed, not fp16-mixed (no loss scaling here)"
+    if cfg.pp > 1 and cfg.model_config.tie_embeddings:
+        return "backend fsdp: pp > 1 with tie_embeddings is not supported; untie the embeddings"
+    if cfg.pp == 1 and cfg.virtual_stages > 1:
+        return f"backend fsdp: virtual_stages={cfg.virtual_stages} needs pp > 1 (chunks per pipeline rank)"
+    if cfg.pp > 1 and cfg.schedule in ("gpipe", "1f1b") and cfg.micro_batches < cfg.pp:
+        return (f"backend fsdp: schedule {cfg.schedule} needs micro_batches ≥ pp, got micro_batches="
+                f"{cfg.micro_batches} < pp={cfg.pp}")
     return _common(cfg, "fsdp", (0,), fsdp_ok=True)
 
 
