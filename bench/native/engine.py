@@ -1,38 +1,77 @@
-"""Native engine (data parallel only for now): full model per rank, gradients averaged over dp."""
+"""The native 3D engine: `parallelize` applies TP → PP → DP to the shared GPT; the Trainer runs it.
+
+Nothing is materialized before it is sharded: the GPT is built on the meta device, tensor parallel
+swaps in local-shaped layers (still meta), the pipeline keeps only this rank's stages, and only
+those are allocated and filled from `models.init_value`, sliced to this rank's shard.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.distributed as dist
+import torch.nn as nn
 
 from bench.backends.base import RunContext, Trainer, make_optimizer
 from bench.data import micro_batches
-from models import build_model, loss_fn
+from bench.native.data import DataParallel
+from bench.native.pipeline import Pipeline, Stage, partition, stage_layers_json
+from bench.native.tensor import apply_tensor_parallel, materialize
+from models import GPT
+
+
+@dataclass
+class Parallel:
+    chunks: list[Stage]
+    """This rank's model chunks (one per virtual stage), each holding only local shards."""
+    parts: list[list[int]]
+    """Layers of every pipeline stage, in pipeline order (stage k runs on pp rank k mod pp)."""
+    pipeline: Pipeline
+    data: DataParallel
+
+
+def parallelize(model: GPT, groups, cfg, device: torch.device, autocast_dtype=None) -> Parallel:
+    """Tensor → pipeline → data parallel on `model` (built on meta); materializes this rank's shards."""
+    tp, tp_rank = groups.size("tp"), groups.coord.tp
+    apply_tensor_parallel(model, cfg, groups.tp, tp_rank, tp)
+    p, v = groups.size("pp"), cfg.virtual_stages
+    parts = partition(model.cfg.layers, p * v)
+    last = p * v - 1
+    sids = [j * p + groups.coord.pp for j in range(v)]
+    chunks = [Stage(model, parts[s], s == 0, s == last, cfg.recompute == "full") for s in sids]
+    for chunk in chunks:
+        materialize(chunk, model.cfg, cfg.seed, device, tp_rank, tp)
+        if model.cfg.tie_embeddings and chunk.embed is not None and chunk.head is not None:
+            chunk.head.weight = chunk.embed.tok.weight  # to_empty unties them
+    pipeline = Pipeline(chunks, cfg, groups, device, autocast_dtype)
+    return Parallel(chunks, parts, pipeline, DataParallel(chunks, cfg, groups))
 
 
 class NativeTrainer(Trainer):
     def __init__(self, ctx: RunContext):
-        if ctx.cfg.tp > 1 or ctx.cfg.pp > 1:
-            raise NotImplementedError("native tensor/pipeline parallel is not built yet")
+        cfg = ctx.cfg
         self.ctx = ctx
-        self.model = build_model(ctx.cfg.model_config, ctx.cfg.seed, ctx.device)
-        self.optimizer = make_optimizer(self.model.parameters())
+        with torch.device("meta"):
+            meta = GPT(cfg.model_config)
+        self.par = parallelize(meta, ctx.groups, cfg, ctx.device, ctx.autocast_dtype)
+        self.model = nn.ModuleList(self.par.chunks)
+        params = self.par.data.shard_params() if cfg.zero else self.model.parameters()
+        self.optimizer = make_optimizer(params)
 
-    def train_step(self, step: int) -> float:
-        cfg, ctx = self.ctx.cfg, self.ctx
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for x, y in micro_batches(cfg, step, ctx.groups.coord.dp):
-            x, y = x.to(ctx.device), y.to(ctx.device)
-            with torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype, enabled=ctx.autocast_dtype is not None):
-                loss = loss_fn(self.model(x), y) / cfg.micro_batches
-            loss.backward()
-            total += loss.item()
-        if cfg.dp > 1:
-            for p in self.model.parameters():
-                dist.all_reduce(p.grad, group=ctx.groups.dp)
-                p.grad /= cfg.dp
+    def train_step(self, step: int) -> float | None:
+        cfg, groups = self.ctx.cfg, self.ctx.groups
+        metered = cfg.warmup <= step < cfg.warmup + cfg.steps  # the timed steps
+        self.par.data.zero_grad()
+        losses = self.par.pipeline.run(micro_batches(cfg, step, groups.coord.dp), metered)
+        self.par.data.finish()
         self.optimizer.step()
-        return total
+        self.par.data.after_step()
+        return sum(losses) if losses else None
+
+    def extras(self) -> dict:
+        return {"bubble_fraction": self.par.pipeline.meter.fraction,
+                "stage_layers": stage_layers_json(self.par.parts),
+                "dp_buckets": len(self.par.data.all_buckets),
+                "tp_impl": "native"}
 
 
 def build(cfg, ctx: RunContext) -> Trainer:

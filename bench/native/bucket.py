@@ -1,0 +1,99 @@
+"""Gradient buckets: one flat fp32 buffer per group of parameters, reduced over dp in one op.
+
+Each parameter's `.grad` is a view into its bucket's buffer, so backward accumulates straight into
+it and the bucket is reduced without copies. With ZeRO-1 the buffer is padded to a multiple of dp
+(at most dp − 1 zeros) and each dp rank owns one contiguous shard of it:
+
+    zero 0: all_reduce(grads (N,))                           payload 4·N bytes
+    zero 1: reduce_scatter(grads (N_pad,)) → shard (N_pad/dp,); optimizer updates the shard;
+            all_gather(shard) → params (N_pad,)               payload 4·N_pad bytes each
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class Bucket:
+    def __init__(self, params: list[nn.Parameter], dp_group, dp: int, dp_rank: int, zero: int):
+        self.params, self.group, self.dp, self.zero = params, dp_group, dp, zero
+        self.numel = sum(p.numel() for p in params)
+        padded = -(-self.numel // dp) * dp if zero else self.numel
+        device = params[0].device
+        self.grads = torch.zeros(padded, dtype=torch.float32, device=device)
+        self.pending: set[int] = set()
+        self.work = None
+        if zero:
+            self._shard_params(dp_rank, padded)
+        for p, view in zip(params, self._views(self.grads)):
+            p.grad = view
+
+    def _views(self, flat: torch.Tensor):
+        offset = 0
+        for p in self.params:
+            yield flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def _shard_params(self, dp_rank: int, padded: int) -> None:
+        """Params become views of one flat buffer; this rank's optimizer owns the shard `self.shard`."""
+        self.flat_params = torch.zeros(padded, dtype=torch.float32, device=self.params[0].device)
+        for p, view in zip(self.params, self._views(self.flat_params)):
+            view.copy_(p.detach())
+            p.data = view
+        size = padded // self.dp
+        self.span = slice(dp_rank * size, (dp_rank + 1) * size)
+        self.shard = nn.Parameter(self.flat_params[self.span].clone())
+        self.shard.grad = torch.zeros_like(self.shard)
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+        self.pending = {id(p) for p in self.params}
+        self.work = None
+
+    def mark_ready(self, p) -> bool:
+        """Record that `p` has its full gradient for this step; True when the whole bucket has."""
+        self.pending.discard(id(p))
+        return not self.pending
+
+    def launch(self) -> None:
+        """Start the asynchronous reduction over dp (no-op for dp = 1)."""
+        if self.dp == 1 or self.work is not None:
+            return
+        if self.zero:  # (N_pad,) → (N_pad/dp,) this rank's shard, summed over dp
+            self.work = dist.reduce_scatter_single(self.shard.grad, self.grads, group=self.group, async_op=True)
+        else:  # (N,) summed over dp, in place
+            self.work = dist.all_reduce(self.grads, group=self.group, async_op=True)
+
+    def wait(self) -> None:
+        """Finish the reduction and turn the sum into the mean over dp replicas."""
+        if self.dp == 1:
+            if self.zero:
+                self.shard.grad.copy_(self.grads[self.span])
+            return
+        self.launch()
+        self.work.wait()
+        (self.shard.grad if self.zero else self.grads).div_(self.dp)
+
+    def gather_params(self) -> None:
+        """ZeRO-1, after the optimizer step: every rank's updated shard → all params (N_pad,)."""
+        if not self.zero:
+            return
+        if self.dp == 1:
+            self.flat_params.copy_(self.shard.detach())
+            return
+        with torch.no_grad():
+            dist.all_gather_single(self.flat_params, self.shard.detach(), group=self.group)
+
+
+def split_into_buckets(params: list[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
+    """Consecutive parameters, a new bucket whenever the next one would exceed `cap_bytes`."""
+    buckets, current, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * 4
+        if current and size + nbytes > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    return buckets + ([current] if current else [])

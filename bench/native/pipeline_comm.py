@@ -1,0 +1,58 @@
+"""Pipeline communication: activations forward and gradients backward between neighbouring stages.
+
+Sends are asynchronous (isend, waited at the end of the schedule), receives block: a stage never
+waits to send, only for its input, so any schedule whose dependencies form a DAG cannot deadlock.
+Messages are matched by tag: an activation entering model chunk c has tag 2c, a gradient entering
+chunk c has tag 2c + 1; within a tag both sides walk the micro-batches in the same order.
+
+Payload per message: one micro-batch's hidden states (b, s, h), or (b, s/tp, h) under sequence
+parallel, in the activation dtype (the autocast dtype under mixed precision).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class PipeComm:
+    def __init__(self, group, ranks: list[int], index: int):
+        self.group, self.ranks, self.index, self.size = group, ranks, index, len(ranks)
+        self._sends: list = []
+
+    @property
+    def next(self) -> int:
+        return self.ranks[(self.index + 1) % self.size]
+
+    @property
+    def prev(self) -> int:
+        return self.ranks[(self.index - 1) % self.size]
+
+    def _send(self, x: torch.Tensor, dst: int, tag: int) -> None:
+        x = x.detach().contiguous()
+        self._sends.append((dist.isend(x, dst=dst, group=self.group, tag=tag), x))  # keep x alive
+
+    def _recv(self, shape, dtype, device, src: int, tag: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        dist.irecv(out, src=src, group=self.group, tag=tag).wait()
+        return out
+
+    def send_forward(self, act: torch.Tensor, to_chunk: int) -> None:
+        """(b, s[/tp], h) activations → the next stage's chunk `to_chunk`."""
+        self._send(act, self.next, 2 * to_chunk)
+
+    def recv_forward(self, shape, dtype, device, chunk: int) -> torch.Tensor:
+        """(b, s[/tp], h) activations ← the previous stage, into this rank's chunk `chunk`."""
+        return self._recv(shape, dtype, device, self.prev, 2 * chunk)
+
+    def send_backward(self, grad: torch.Tensor, to_chunk: int) -> None:
+        """(b, s[/tp], h) input gradients → the previous stage's chunk `to_chunk`."""
+        self._send(grad, self.prev, 2 * to_chunk + 1)
+
+    def recv_backward(self, shape, dtype, device, chunk: int) -> torch.Tensor:
+        """(b, s[/tp], h) output gradients ← the next stage, into this rank's chunk `chunk`."""
+        return self._recv(shape, dtype, device, self.next, 2 * chunk + 1)
+
+    def wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()

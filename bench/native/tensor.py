@@ -1,0 +1,188 @@
+"""Tensor parallelism (Megatron style) applied in place to the shared GPT.
+
+Per block, attention and MLP are each one tensor-parallel *region*: it is entered by a
+column-parallel linear and left by a row-parallel one, so each region costs one collective in
+forward and its conjugate in backward (tensor_comm). With p = tp ranks:
+
+    column-parallel  Y = X [A_1 … A_p]         rank i holds A_i (out/p rows of the weight):
+                                               attn.qkv (whole heads), mlp.fc1, head (vocab rows)
+    row-parallel     Y = Σ_i X_i B_i           rank i holds B_i (in/p columns): attn.proj, mlp.fc2;
+                                               the (replicated) bias is added once, after the sum
+    vocab-parallel   embedding rows [i·V/p, (i+1)·V/p); tokens outside give zeros, the sum over
+                     ranks is the lookup; cross-entropy on vocab-sharded logits (3 all-reduces
+                     of (B·T,) fp32 values: max, sum of exp, target logit) — no rank ever holds
+                     full-vocab logits.
+
+Sequence parallel replaces region entry/exit by all-gather/reduce-scatter along the sequence, so
+norms (and the residual stream) hold T/p tokens. Replicated parameters that act on the sharded
+sequence (norm weights and biases, the position table, row-parallel biases) then get partial
+gradients, summed over tp once per step (`sequence_parallel_params`, reduced in data.py).
+
+The regions are installed with forward hooks on the model's own modules, so the model's forward
+code (and every parameter name) is unchanged: `init_value(name, full_shape)` sliced along
+`split_dim(name)` is exactly this rank's shard.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bench.native import tensor_comm as comm
+from models import init_value
+
+# Parameter name suffix → the dimension its tensor-parallel shard is cut along.
+_SPLITS = {"attn.qkv.weight": 0, "attn.qkv.bias": 0, "mlp.fc1.weight": 0, "mlp.fc1.bias": 0,
+           "attn.proj.weight": 1, "mlp.fc2.weight": 1, "embed.tok.weight": 0, "head.weight": 0}
+
+
+def split_dim(name: str) -> int | None:
+    """Dimension along which parameter `name` is sharded over tp; None when replicated."""
+    for suffix, dim in _SPLITS.items():
+        if name == suffix or name.endswith("." + suffix):
+            return dim
+    return None
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Y_i = X A_iᵀ (+ b_i): this rank's out_features/p output columns. No communication itself."""
+
+
+class RowParallelLinear(nn.Module):
+    """Y_i = X_i B_iᵀ: a partial sum over this rank's in_features/p inputs.
+
+    The bias is replicated and NOT added here: the region adds it once, after the reduction."""
+
+    def __init__(self, in_local: int, out_features: int, bias: bool, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_local, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token rows [lo, lo + V/p) of the table; the position table is replicated.
+
+    (B, T) tokens → (B, T, h), or (B, T/p, h) this rank's sequence chunk under sequence parallel."""
+
+    def __init__(self, cfg, group, rank: int, tp: int, sequence_parallel: bool, device=None):
+        super().__init__()
+        self.group, self.rank, self.sp = group, rank, sequence_parallel
+        self.tok = nn.Embedding(cfg.vocab // tp, cfg.hidden, device=device)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden, device=device) if cfg.position == "learned" else None
+        self.vocab_start = rank * (cfg.vocab // tp)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.tok.num_embeddings)
+        x = self.tok(local.masked_fill(outside, 0)).masked_fill(outside[..., None], 0.0)  # (B, T, h) partial
+        if self.sp:
+            x = comm.reduce_scatter_sequence(x, self.group)  # (B, T/p, h)
+            start = self.rank * x.shape[1]
+        else:
+            x = comm.reduce_from_region(x, self.group)  # (B, T, h)
+            start = 0
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(start, start + x.shape[1], device=idx.device))
+        return x
+
+
+def _install_region(module: nn.Module, group, sp: bool, row: RowParallelLinear | None) -> None:
+    """Enter `module` through copy/gather and (when `row` is given) leave it through reduce/scatter."""
+    enter = comm.gather_from_sequence if sp else comm.copy_to_region
+    leave = comm.reduce_scatter_sequence if sp else comm.reduce_from_region
+    module.register_forward_pre_hook(lambda m, args: (enter(args[0], group), *args[1:]))
+    if row is not None:
+        def leave_hook(m, args, out):
+            out = leave(out, group)
+            return out if row.bias is None else out + row.bias
+        module.register_forward_hook(leave_hook)
+
+
+def apply_tensor_parallel(model: nn.Module, run_cfg, group, rank: int, tp: int) -> nn.Module:
+    """Swap the GPT's linears/embedding for their tensor-parallel shapes (no values: call on meta)."""
+    cfg, sp = run_cfg.model_config, run_cfg.sequence_parallel
+    device = next(model.parameters()).device
+    h, f = cfg.hidden, cfg.ffn_hidden
+    up = 2 * f if cfg.activation == "swiglu" else f
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        attn.qkv = ColumnParallelLinear(h, 3 * h // tp, bias=cfg.bias, device=device)
+        attn.proj = RowParallelLinear(h // tp, h, cfg.bias, device)
+        mlp.fc1 = ColumnParallelLinear(h, up // tp, bias=cfg.bias, device=device)
+        mlp.fc2 = RowParallelLinear(f // tp, h, cfg.bias, device)
+        _install_region(attn, group, sp, attn.proj)
+        _install_region(mlp, group, sp, mlp.fc2)
+    model.embed = VocabParallelEmbedding(cfg, group, rank, tp, sp, device)
+    model.head = ColumnParallelLinear(h, cfg.vocab // tp, bias=False, device=device)
+    _install_region(model.head, group, sp, None)
+    return model
+
+
+def materialize(module: nn.Module, model_cfg, seed: int, device, rank: int, tp: int) -> nn.Module:
+    """Allocate `module` (on meta) on `device` and fill each parameter with its shard of init_value."""
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            dim, shape = split_dim(name), list(p.shape)
+            if dim is not None:
+                shape[dim] *= tp
+            full = init_value(name, shape, model_cfg, seed)
+            p.copy_(full if dim is None else full.narrow(dim, rank * p.shape[dim], p.shape[dim]))
+    return module
+
+
+def shard_model(model_on_meta: nn.Module, cfg, groups, device, seed: int) -> nn.Module:
+    """Apply tensor parallel in place to a whole GPT built on meta and materialize this rank's shards.
+
+    `cfg` is the RunConfig (model, tp, sequence_parallel). The model's forward then returns
+    vocab-sharded logits (B, T, V/tp): use `vocab_parallel_cross_entropy` on them."""
+    tp, rank = groups.size("tp"), groups.coord.tp
+    apply_tensor_parallel(model_on_meta, cfg, groups.tp, rank, tp)
+    materialize(model_on_meta, cfg.model_config, seed, device, rank, tp)
+    if cfg.model_config.tie_embeddings:
+        model_on_meta.tie_weights()
+    return model_on_meta
+
+
+def sequence_parallel_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Replicated parameters whose gradients are partial per sequence chunk under SP (summed over tp)."""
+    return [(n, p) for n, p in module.named_parameters() if split_dim(n) is None]
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):  # logits (N, V/p) fp32, targets (N,)
+        n_local = logits.shape[-1]
+        m = logits.max(dim=-1).values
+        comm.all_reduce(m, group, dist.ReduceOp.MAX)  # (N,) fp32 over tp
+        shifted = logits - m[:, None]
+        local = targets - vocab_start
+        inside = (local >= 0) & (local < n_local)
+        local = local.masked_fill(~inside, 0)
+        exp = shifted.exp()
+        sum_exp = comm.all_reduce(exp.sum(dim=-1), group)  # (N,) fp32 over tp
+        target_logit = comm.all_reduce(shifted.gather(1, local[:, None]).squeeze(1) * inside, group)  # (N,)
+        ctx.save_for_backward(exp.div_(sum_exp[:, None]), local, inside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):  # d loss_n / d logit_nj = softmax_nj − [j = target_n]
+        softmax, local, inside = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(1, local[:, None], -inside.to(g.dtype)[:, None])
+        return g * grad[:, None], None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+    """Mean next-token cross-entropy from vocab-sharded logits (..., V/p); targets (...) hold global ids."""
+    p = comm.group_size(group)
+    n_local = local_logits.shape[-1]
+    if p == 1:  # the whole vocabulary is here: the reference loss exactly
+        return F.cross_entropy(local_logits.reshape(-1, n_local).float(), targets.reshape(-1))
+    vocab_start = (dist.get_rank(group) if p > 1 else 0) * n_local
+    flat = local_logits.reshape(-1, n_local).float()
+    return _VocabParallelCE.apply(flat, targets.reshape(-1), vocab_start, group).mean()
