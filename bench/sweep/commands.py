@@ -23,20 +23,21 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled."""
     from rich.console import Console
 
-    from bench.sweep.runner import dry_run_table, print_counts, run_sweep, summary_table
-    from bench.sweep.spec import expand, load_sweep
+    from bench.sweep.runner import dry_run_table, make_launcher, plan, print_counts, run_sweep, summary_table
+    from bench.sweep.spec import load_sweep
     spec = load_sweep(file)
     if launcher == "slurm" or profile:
         from bench.sweep.slurm import load_profile
         load_profile(profile or spec.launcher.profile or "local",
                      spec.launcher.options if spec.launcher.kind == "slurm" else {}, source="--profile", prefix="")
+    out = Path(out or Path("results") / spec.name)
+    exp = plan(spec, make_launcher(spec, out, launcher, profile, exclusive))  # every error before any launch
     console = Console(highlight=False, width=max(Console().width, 140))
     if dry_run:
-        table, counts = dry_run_table(spec, expand(spec), launcher)
+        table, counts = dry_run_table(spec, exp, launcher)
         console.print(table)
         console.print(counts)
         return
-    out = Path(out or Path("results") / spec.name)
     result = run_sweep(spec, out, launcher=launcher, profile=profile, resume=resume or retry_failed,
                        retry_failed=retry_failed, exclusive=exclusive, progress=not no_progress)
     from bench.sweep.store import load_results

@@ -25,12 +25,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the launching process dies, even by SIGKILL (a killed sweep leaves no ranks)."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before prctl took effect
+        os._exit(1)
+
+
 def _rank_main(rank: int, world: int, tasks: mp.Queue, results: mp.Queue) -> None:
     """Body of one rank process: run configs from `tasks` until told to stop."""
+    _die_with_parent()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import torch
     torch.set_num_threads(1)  # N ranks on 2 cores: more threads only oversubscribe
     from bench import worker
+    results.put((rank, "ready", None))  # imports done: the run's time limit starts after this
     while (task := tasks.get()) is not None:
         cfg_dict, port = task
         os.environ["MASTER_PORT"] = str(port)
@@ -67,6 +82,9 @@ class RankPool:
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.kill()
             self._start()
+            failed = self._wait_ready(cfg)
+            if failed is not None:
+                return failed
         port = free_port()
         for q in self._tasks:
             q.put((cfg.to_dict(), port))
@@ -93,6 +111,23 @@ class RankPool:
             done += 1
             row = payload if payload is not None else row
         return row
+
+    def _wait_ready(self, cfg: RunConfig, limit_s: float = 300.0) -> dict | None:
+        """Wait until every new rank has imported torch and the suite (seconds on a busy machine), so
+        that start-up never counts against a run's timeout_s. Returns a failure row if a rank dies."""
+        ready, deadline = 0, time.monotonic() + limit_s
+        while ready < self.world:
+            try:
+                rank, status, payload = self._results.get(timeout=0.2)
+                ready += status == "ready"
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.kill()
+                    why = (f"rank {dead[0]} exited during start-up" if dead
+                           else f"ranks not ready after {limit_s:g} s of start-up")
+                    return failure_row(cfg, "failed", why, dead[0] if dead else None)
+        return None
 
     def kill(self) -> None:
         import psutil

@@ -15,7 +15,7 @@ from typing import Callable
 
 from bench.config import RunConfig
 from bench.results import failure_row
-from bench.sweep.spec import Expansion, SweepSpec, expand
+from bench.sweep.spec import Expansion, SweepError, SweepSpec, expand
 from bench.sweep.store import STATUSES, ResultStore
 
 
@@ -27,8 +27,6 @@ class LocalLauncher:
     kind = "local"
 
     def __init__(self):
-        from bench.sweep.local import RankPool
-        self._pool_type = RankPool
         self.pools: dict[int, object] = {}
 
     def unsupported(self, cfg: RunConfig) -> str | None:
@@ -36,9 +34,10 @@ class LocalLauncher:
 
     def launch(self, runs: list[RunConfig], started: Callable, finished: Callable) -> None:
         runs = sorted(runs, key=lambda c: c.world)  # stable: one pool alive at a time, file order within
+        from bench.sweep.local import RankPool
         left = {w: sum(c.world == w for c in runs) for w in {c.world for c in runs}}
         for cfg in runs:
-            pool = self.pools.get(cfg.world) or self.pools.setdefault(cfg.world, self._pool_type(cfg.world))
+            pool = self.pools.get(cfg.world) or self.pools.setdefault(cfg.world, RankPool(cfg.world))
             started(cfg)
             t0 = time.monotonic()
             row = pool.run(cfg)
@@ -99,21 +98,41 @@ class SweepOutcome:
     """Runs not launched because a previous invocation stored them."""
 
 
+def plan(spec: SweepSpec, launch) -> Expansion:
+    """Expand the sweep; runs the launcher cannot place become skipped rows too. Raises SweepError when
+    nothing at all can run (an impossible layout, say): that is a mistake in the file, not a result."""
+    exp = expand(spec)
+    runnable = []
+    for cfg in exp.runs:
+        reason = launch.unsupported(cfg)
+        if reason:
+            exp.skipped.append(failure_row(cfg, "skipped", reason))
+        else:
+            runnable.append(cfg)
+    exp.runs = runnable
+    if not exp.runs and exp.skipped:
+        first = exp.skipped[0]
+        raise SweepError(spec.source, "grid", f"no runnable combination: all {len(exp.skipped)} expanded run(s) "
+                                              f"are invalid, e.g. {describe(first)}: {first['error']}")
+    return exp
+
+
 def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, profile: str | None = None,
               resume: bool = False, retry_failed: bool = False, exclusive: bool = False,
               progress: bool = True) -> SweepOutcome:
     t_start = time.monotonic()
     out = Path(out)
-    exp = expand(spec)
     launch = make_launcher(spec, out, launcher, profile, exclusive)
+    exp = plan(spec, launch)
     store = ResultStore(out)
     stored = store.statuses()
     if stored and not (resume or retry_failed):
         raise ValueError(f"{out} already holds {len(stored)} run row(s); add --resume to skip the finished runs "
                          "(--retry-failed to rerun the failed ones too), or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    if Path(spec.source).is_file():
-        shutil.copyfile(spec.source, out / "sweep.yaml")
+    source = Path(spec.source)
+    if source.is_file() and source.resolve() != (out / "sweep.yaml").resolve():
+        shutil.copyfile(source, out / "sweep.yaml")
     extra = {"sweep": spec.name, "launcher": launch.kind}
     outcome = SweepOutcome(out=out, counts={s: 0 for s in STATUSES}, wall_s=0.0)
 
@@ -130,10 +149,6 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
         previous = stored.get(cfg.run_id)
         if previous == "ok" or (previous is not None and not retry_failed):
             outcome.resumed += 1
-            continue
-        reason = launch.unsupported(cfg)
-        if reason:
-            record(failure_row(cfg, "skipped", reason))
         else:
             todo.append(cfg)
 
@@ -212,7 +227,8 @@ class SweepProgress:
         self.done += 1
         status = row["status"]
         colour = {"ok": "green", "skipped": "yellow"}.get(status, "red")
-        note = "" if status == "ok" else "  " + _first_line(row.get("error"))
+        from rich.markup import escape
+        note = "" if status == "ok" else "  " + escape(_first_line(row.get("error")))
         wall = row.get("wall_s")
         self.log(f"[{self.done}/{self.total}] [{colour}]{status:9}[/] {describe(cfg)}"
                  + (f"  ({wall:.1f} s)" if wall is not None else "") + note)
@@ -244,6 +260,7 @@ def _varying(rows: list[dict]) -> list[str]:
 
 
 def dry_run_table(spec: SweepSpec, exp: Expansion, launcher_kind: str | None = None):
+    from rich.markup import escape
     from rich.table import Table
     rows = [{**c.to_row(), "status": "planned", "error": ""} for c in exp.runs] + exp.skipped
     columns = _varying(rows)
@@ -252,7 +269,8 @@ def dry_run_table(spec: SweepSpec, exp: Expansion, launcher_kind: str | None = N
         table.add_column(name, overflow="fold", max_width=70 if name == "reason" else None)
     for i, row in enumerate(rows, 1):
         status = "[green]planned[/]" if row["status"] == "planned" else "[yellow]skipped[/]"
-        table.add_row(str(i), row["run_id"], *(_cell(row.get(c)) for c in columns), status, row.get("error") or "")
+        table.add_row(str(i), row["run_id"], *(_cell(row.get(c)) for c in columns), status,
+                      escape(row.get("error") or ""))
     worlds = sorted({c.world for c in exp.runs})
     counts = (f"{len(exp.runs)} run(s) to launch, {len(exp.skipped)} skipped, {exp.excluded} excluded, "
               f"{exp.duplicates} duplicate(s); world sizes {worlds or '-'}; launcher {launcher_kind or spec.launcher.kind}")
@@ -260,6 +278,7 @@ def dry_run_table(spec: SweepSpec, exp: Expansion, launcher_kind: str | None = N
 
 
 def summary_table(rows: list[dict], title: str):
+    from rich.markup import escape
     from rich.table import Table
     columns = _varying(rows)
     table = Table(title=title)
@@ -275,14 +294,15 @@ def summary_table(rows: list[dict], title: str):
                       f"{row['tokens_per_s']:.0f}" if ok else "",
                       f"{row['mfu']:.2%}" if ok else "",
                       f"{row['peak_mem_bytes'] / 2**20:.1f}" if ok else "",
-                      "" if ok else _first_line(row.get("error")))
+                      "" if ok else escape(_first_line(row.get("error"))))
     return table
 
 
 def _cell(value) -> str:
     if value is None or (isinstance(value, float) and value != value):
         return "-"
-    return str(value)
+    from rich.markup import escape
+    return escape(str(value))
 
 
 def print_counts(counts: dict, file=sys.stdout) -> str:

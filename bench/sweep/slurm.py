@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 from bench.config import RunConfig
-from bench.metrics.memory import MALLOC_ENV
 from bench.results import classify_error, failure_row
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "profiles"
@@ -151,6 +150,8 @@ class SlurmLauncher:
 
     def _executor(self, cfg: RunConfig, count: int):
         import submitit
+
+        from bench.metrics.memory import MALLOC_ENV  # read by malloc at process start: export before the tasks
         p = self.profile
         nodes, per_node = p.shape(cfg)
         ex = submitit.AutoExecutor(folder=self.out / "slurm" / "%j", cluster="slurm")
@@ -229,13 +230,15 @@ class _Tracked:
         return self.job.watcher.get_state(self.job.job_id, mode="cache").upper()
 
     def _outcomes(self) -> list:
+        """Per task: (outcome, value, written-at) from submitit's result pickle, or None."""
         from submitit.core.utils import pickle_load
         tasks = [self.job.task(i) for i in range(self.job.num_tasks)] if self.job.num_tasks > 1 else [self.job]
         out = []
         for task in tasks:
+            path = task.paths.result_pickle
             try:
-                out.append(pickle_load(task.paths.result_pickle) if task.paths.result_pickle.exists() else None)
-            except (EOFError, OSError):  # being written right now
+                out.append((*pickle_load(path), path.stat().st_mtime) if path.exists() else None)
+            except (EOFError, OSError, ValueError):  # being written right now
                 out.append(None)
         return out
 
@@ -251,7 +254,9 @@ class _Tracked:
         return {**failure_row(self.cfg, *self._failure(state, outcomes)), **self._ids()}
 
     def _failure(self, state: str, outcomes: list) -> tuple:
-        errors = [(rank, o[1]) for rank, o in enumerate(outcomes) if o is not None and o[0] == "error"]
+        # the first rank to fail is the cause; the others fail after it (a peer closed the connection)
+        errors = sorted(((o[2], rank, o[1]) for rank, o in enumerate(outcomes) if o is not None and o[0] == "error"))
+        errors = [(rank, text) for _, rank, text in errors]
         log = f"(job {self.job.job_id}; logs: {self.job.paths.stderr})"
         if state.startswith(("CANCELLED", "PREEMPTED")):
             return "cancelled", f"Slurm job {self.job.job_id} was {state.lower()} {log}", None

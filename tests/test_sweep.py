@@ -1,0 +1,250 @@
+"""Sweep runner: expansion and validation (pure), the bad-input corpus through the CLI, and real local
+sweeps: failure taxonomy, a hung rank, the results store, resume after the sweep process is SIGKILLed."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench.sweep.spec import SweepError, expand, load_sweep, parse_sweep
+from bench.sweep.store import SCHEMA_VERSION, STATUSES, ResultStore, load_results
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = str(Path(sys.executable).parent / "bench")  # the installed entry point
+BAD = sorted((ROOT / "tests" / "bad_sweeps").glob("*.yaml"))
+
+
+def _spec(**data):
+    return parse_sweep(data, "test.yaml")
+
+
+# --- expansion (pure) -------------------------------------------------------------------------------------
+
+def test_grid_backend_blocks_dp_auto_and_skipped_reasons():
+    spec = _spec(world_size=4, base={"steps": 2}, grid={"backend": ["native", "ddp", "deepspeed"], "tp": [1, 2],
+                                                           "dp": "auto"},
+                 backends={"deepspeed": {"zero": [0, 3]}}, deepspeed={"zero_optimization": {"overlap_comm": False}})
+    exp = expand(spec)
+    # native: tp 1, 2 · ddp: tp 1 (tp 2 skipped) · deepspeed: zero 0, 3 × tp 1 (tp 2: whatever its check says)
+    by_backend = {}
+    for cfg in exp.runs:
+        by_backend.setdefault(cfg.backend, []).append(cfg)
+    assert sorted((c.tp, c.dp) for c in by_backend["native"]) == [(1, 4), (2, 2)]
+    assert [(c.tp, c.dp) for c in by_backend["ddp"]] == [(1, 4)]
+    assert {c.zero for c in by_backend["deepspeed"]} == {0, 3}
+    assert all(c.ds_set == ("zero_optimization.overlap_comm=false",) for c in by_backend["deepspeed"])
+    assert all(c.ds_set == () and c.zero == 0 for c in by_backend["native"] + by_backend["ddp"])
+    assert all(c.steps == 2 and c.world == 4 for c in exp.runs)
+    ddp_tp2 = [r for r in exp.skipped if r["backend"] == "ddp"]
+    assert len(ddp_tp2) == 1 and "data parallel only" in ddp_tp2[0]["error"] and ddp_tp2[0]["status"] == "skipped"
+    assert len(exp.runs) + len(exp.skipped) == 2 + 2 + 4
+
+
+def test_zip_exclude_repeats_and_duplicates():
+    spec = _spec(grid={"dp": [1, 2]}, zip=[{"micro_batch": [1, 2, 4], "micro_batches": [8, 4, 2]}],
+                 exclude=[{"dp": 2, "micro_batch": [1, 4]}], repeats=2)
+    exp = expand(spec)
+    pairs = sorted({(c.dp, c.micro_batch, c.micro_batches) for c in exp.runs})
+    assert pairs == [(1, 1, 8), (1, 2, 4), (1, 4, 2), (2, 2, 4)]
+    assert exp.excluded == 2 * 2 and len(exp.runs) == 4 * 2
+    assert {c.repeat for c in exp.runs} == {0, 1}
+    assert len({c.run_id for c in exp.runs}) == 8 and len({c.config_id for c in exp.runs}) == 4
+    dup = expand(_spec(grid={"backend": ["native", "native"]}))
+    assert len(dup.runs) == 1 and dup.duplicates == 1
+
+
+def test_dp_auto_that_does_not_divide_is_skipped_with_reason():
+    exp = expand(_spec(world_size=4, grid={"tp": [1, 3], "dp": "auto"}))
+    assert [c.dp for c in exp.runs] == [4]
+    assert exp.skipped[0]["error"] == "dp: auto: world_size (4) is not divisible by tp (3) × pp (1) = 3"
+    assert exp.skipped[0]["dp"] is None
+
+
+def test_model_preset_with_overrides_and_world_size_axis():
+    exp = expand(_spec(model={"preset": "tiny", "layers": 8}, world_size=[1, 2], grid={"pp": [1, 2], "dp": "auto"}))
+    assert sorted((c.world, c.pp, c.dp) for c in exp.runs) == [(1, 1, 1), (2, 1, 2), (2, 2, 1)]
+    assert all(c.model_config.layers == 8 for c in exp.runs)
+
+
+def test_example_sweeps_expand():
+    quick = expand(load_sweep(ROOT / "sweeps" / "quickstart.yaml"))
+    assert {c.backend for c in quick.runs} == {"native", "ddp", "fsdp", "deepspeed"}
+    assert all(c.world == 4 and c.model == "tiny" for c in quick.runs) and quick.skipped
+    paper = expand(load_sweep(ROOT / "sweeps" / "paper-3d.yaml"))
+    assert sorted((c.tp, c.pp) for c in paper.runs) == [(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8)]
+    assert all(c.world == 64 and c.dp == 64 // (c.tp * c.pp) for c in paper.runs)
+
+
+# --- bad input: one clear message, exit 2, nothing launched -----------------------------------------------
+
+def test_corpus_is_large_enough():
+    assert len(BAD) >= 15
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_bad_sweep_file_gives_one_clear_error(path, tmp_path, monkeypatch, capsys):
+    expected = re.match(r"# expect: (.*)", path.read_text()).group(1)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["bench", "sweep", str(path), "--out", str(out)])
+    from bench.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2, err
+    assert err.count("\n") == 0, err  # one line, no traceback
+    assert err.startswith(f"error: {path}: "), err
+    assert expected in err, err
+    assert not out.exists()  # nothing launched, nothing written
+
+
+def test_sweep_error_carries_file_key_and_problem():
+    with pytest.raises(SweepError) as e:
+        parse_sweep({"grid": {"tp": ["x"]}}, "f.yaml")
+    assert (e.value.source, e.value.path) == ("f.yaml", "grid.tp[0]")
+
+
+# --- real local sweeps ------------------------------------------------------------------------------------
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def local_sweep(tmp_path_factory):
+    """One real sweep on world 2: ok, a hung rank, a raising rank, ok again; plus a skipped combination."""
+    from bench.sweep.runner import run_sweep
+    tmp = tmp_path_factory.mktemp("local")
+    spec = load_sweep(_write(tmp / "mixed.yaml", """
+name: mixed
+world_size: 2
+base: {steps: 2, warmup: 1}
+grid:
+  tp: [1, 3]
+  dp: auto
+zip:
+  - {fault: [none, hang, raise], timeout_s: [120, 8, 120]}
+exclude: [{tp: 3, fault: [hang, raise]}]
+"""))
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    t0 = time.monotonic()
+    outcome = run_sweep(spec, tmp / "out", progress=False)
+    return {"outcome": outcome, "wall": time.monotonic() - t0, "before": before, "out": tmp / "out"}
+
+
+def test_failure_taxonomy_and_the_sweep_goes_on(local_sweep):
+    df = load_results(local_sweep["out"])
+    status = {row.fault: row.status for row in df.itertuples() if row.status != "skipped"}
+    assert status == {"none": "ok", "hang": "timeout", "raise": "failed"}
+    skipped = df[df.status == "skipped"]
+    assert len(skipped) == 1 and "not divisible by tp (3)" in skipped.error.iloc[0]
+    failed = df[df.status == "failed"].iloc[0]
+    assert failed.failed_rank == 1 and "injected fault" in failed.error
+    assert set(df.columns) >= {"SCHEMA_VERSION", "sweep", "launcher", "wall_s", "git_sha", "hostname", "time",
+                               "torch_version", "deepspeed_version", "submitit_version", "slurm_job_id"}
+    assert (df.SCHEMA_VERSION == SCHEMA_VERSION).all() and (df.sweep == "mixed").all()
+    assert (local_sweep["out"] / "results.parquet").is_file()
+
+
+def test_hung_rank_times_out_within_its_limit_and_leaves_no_process(local_sweep):
+    df = load_results(local_sweep["out"])
+    hung = df[df.fault == "hang"].iloc[0]
+    assert hung.status == "timeout" and "timeout_s=8" in hung.error
+    assert hung.wall_s <= 8 + 6  # detected at the limit (warm pool), then killed
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - local_sweep["before"]
+    alive = [p for p in map(_proc, left) if p is not None and p.status() != psutil.STATUS_ZOMBIE
+             and "resource_tracker" not in " ".join(p.cmdline())]  # multiprocessing's one helper, not a rank
+    assert not alive, [p.cmdline() for p in alive]
+
+
+def _proc(pid):
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def test_existing_output_needs_resume(local_sweep):
+    from bench.sweep.runner import run_sweep
+    spec = load_sweep(local_sweep["out"] / "sweep.yaml")
+    with pytest.raises(ValueError, match="--resume"):
+        run_sweep(spec, local_sweep["out"], progress=False)
+    again = run_sweep(spec, local_sweep["out"], resume=True, progress=False)  # nothing left to run
+    assert again.resumed == 3 and sum(again.counts.values()) == 1  # the skipped row is rewritten
+
+
+def test_load_results_rejects_foreign_empty_and_other_versions(local_sweep, tmp_path):
+    import pandas as pd
+    df = load_results(local_sweep["out"] / "results.parquet")
+    assert len(df) == 4 and set(df.status) <= set(STATUSES)
+    pd.DataFrame({"a": [1]}).to_parquet(tmp_path / "foreign.parquet")
+    with pytest.raises(ValueError, match="not a parabench results table"):
+        load_results(tmp_path / "foreign.parquet")
+    df.iloc[:0].to_parquet(tmp_path / "empty.parquet")
+    with pytest.raises(ValueError, match="no result rows"):
+        load_results(tmp_path / "empty.parquet")
+    df.assign(SCHEMA_VERSION=SCHEMA_VERSION + 1).to_parquet(tmp_path / "future.parquet")
+    with pytest.raises(ValueError, match="schema version"):
+        load_results(tmp_path / "future.parquet")
+    with pytest.raises(ValueError, match="no results"):
+        load_results(tmp_path)
+
+
+def test_resume_after_the_sweep_process_is_killed(tmp_path):
+    """SIGKILL `bench sweep` while a run is going; --resume reruns only what has no row: none lost, none twice."""
+    sweep = _write(tmp_path / "slow.yaml", """
+name: slow
+base: {steps: 3, warmup: 1, fault: "sleep:250", timeout_s: 60}
+grid:
+  seed: [0, 1, 2, 3, 4]
+""")
+    out = tmp_path / "out"
+    cmd = [BENCH, "sweep", str(sweep), "--out", str(out), "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    runs = out / "runs"
+    deadline = time.monotonic() + 120
+    while len(list(runs.glob("*.json"))) < 2:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "no run finished in 120 s"
+        time.sleep(0.1)
+    time.sleep(0.5)  # the third run is going now
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = {p.name: p.read_text() for p in runs.glob("*.json")}
+    assert 2 <= len(first) < 5
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, "rank processes outlived the killed sweep"
+
+    done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(p.read_text()) for p in runs.glob("*.json")]
+    assert len(rows) == 5 and len({r["run_id"] for r in rows}) == 5
+    assert sorted(r["seed"] for r in rows) == [0, 1, 2, 3, 4] and {r["status"] for r in rows} == {"ok"}
+    for name, text in first.items():  # finished runs were not rerun
+        assert (runs / name).read_text() == text
+    assert f"{len(first)} resumed" in done.stdout
+    assert len(load_results(out)) == 5
+
+
+def test_results_command_rebuilds_the_parquet(local_sweep):
+    (local_sweep["out"] / "results.parquet").unlink()
+    done = subprocess.run([BENCH, "results", str(local_sweep["out"]), "--quiet"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ok 1" in done.stdout and "timeout 1" in done.stdout and "skipped 1" in done.stdout
+    assert (local_sweep["out"] / "results.parquet").is_file()
+
+
+def test_dry_run_prints_the_table_and_counts():
+    done = subprocess.run([BENCH, "sweep", "sweeps/paper-3d.yaml", "--dry-run"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "16 run(s) to launch, 0 skipped" in done.stdout and "launcher slurm" in done.stdout
+    assert not (ROOT / "results" / "paper-3d").exists()
