@@ -29,8 +29,7 @@ from bench.backends.deepspeed_config import final_config
 from bench.data import micro_batches
 from bench.distributed import ProcessGroups, comm_backend
 from bench.metrics.memory import optimizer_tensors
-from models import GPT, Block, init_value, loss_fn
-from models.gpt import Embedding, _norm
+from models import GPT, init_value, loss_fn
 
 # Our dims → DeepSpeed's topology axis names.
 _AXIS = {"tp": "model", "pp": "pipe", "dp": "data"}
@@ -39,8 +38,6 @@ _AXIS = {"tp": "model", "pp": "pipe", "dp": "data"}
 def build(cfg, ctx: RunContext) -> Trainer:
     ds = _import_deepspeed(ctx)
     config = final_config(cfg)
-    if cfg.tp > 1:
-        raise NotImplementedError("backend deepspeed: tp > 1 needs the native TP layers (bench.native.tensor)")
     if cfg.pp > 1:
         return PipelineTrainer(ds, ctx, config)
     return ZeroTrainer(ds, ctx, config)
@@ -116,14 +113,6 @@ def topology(layout):
     from deepspeed.runtime.pipe.topology import ProcessTopology
     dims = list(reversed(layout.order.split("-")))  # e.g. tp-pp-dp → [dp, pp, tp]
     return ProcessTopology(axes=[_AXIS[d] for d in dims], dims=[getattr(layout, d) for d in dims])
-
-
-def fill_from_reference(module: nn.Module, prefix: str, mcfg, seed: int) -> nn.Module:
-    """Write the reference initial value of every parameter (named as in the full GPT)."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(init_value(prefix + name, p.shape, mcfg, seed))
-    return module
 
 
 # --- gradient / state accounting -------------------------------------------------------------------
@@ -254,10 +243,17 @@ class ZeroTrainer(_DeepSpeedTrainer):
     def __init__(self, ds, ctx: RunContext, config: dict):
         super().__init__(ds, ctx, config)
         self.mpu = GroupsMpu(ctx.groups)
+        self.loss = _loss(ctx)
         self._initialize(self._build_model(), mpu=self.mpu)
 
     def _build_model(self) -> nn.Module:
         cfg, mcfg = self.ctx.cfg, self.ctx.cfg.model_config
+        if cfg.tp > 1:  # the native engine's TP layers; ZeRO (any stage) then partitions over dp only
+            from bench.native.tensor import shard_model
+            self.tp_impl = "native"
+            with torch.device("meta"):
+                model = GPT(mcfg)
+            return shard_model(model, cfg, self.ctx.groups, torch.device("cpu"), cfg.seed)
         if cfg.zero < 3:
             from models import build_model
             return build_model(mcfg, cfg.seed, "cpu")
@@ -276,7 +272,7 @@ class ZeroTrainer(_DeepSpeedTrainer):
         total = 0.0
         for x, y in micro_batches(cfg, step, ctx.groups.coord.dp):
             x, y = x.to(self.engine.device), y.to(self.engine.device)
-            loss = loss_fn(self.engine(x), y)
+            loss = self.loss(self.engine(x), y)
             self.engine.backward(loss)  # DeepSpeed scales by 1 / gradient_accumulation_steps
             self.engine.step()  # steps the optimizer at the accumulation boundary only
             total += loss.item() / cfg.micro_batches
@@ -299,38 +295,58 @@ def _fill_partition(p: torch.Tensor, full: torch.Tensor) -> None:
 
 
 # --- pipeline ---------------------------------------------------------------------------------------
-class EmbedLayer(nn.Module):
-    """Pipeline layer 0: the shared model's embedding (token + position)."""
+class Piece(nn.Module):
+    """One pipeline layer: a piece of the shared GPT (built on meta, tensor-parallel shapes already
+    applied), allocated and filled here, on the stage that owns it, with its reference weights.
 
-    def __init__(self, mcfg, seed: int):
+    `parts` are named as in the full GPT under `prefix` ("blocks." + {"3": block}), so `init_value`
+    (and the tp split of each name) sees the same names as the single-process reference."""
+
+    def __init__(self, parts: dict, prefix: str, run_cfg, tp_rank: int):
         super().__init__()
-        self.embed = fill_from_reference(Embedding(mcfg), "embed.", mcfg, seed)
+        for name, module in parts.items():
+            self.add_module(name, module)
+        self.to_empty(device="cpu")  # the engine moves it to the accelerator
+        _fill_shards(self, prefix, run_cfg, tp_rank)
+        self.order = list(parts)
 
-    def forward(self, idx):  # (B, T) → (B, T, h)
-        return self.embed(idx)
-
-
-class BlockLayer(nn.Module):
-    """Pipeline layer 1 + i: the shared model's block i."""
-
-    def __init__(self, mcfg, index: int, seed: int):
-        super().__init__()
-        self.block = fill_from_reference(Block(mcfg), f"blocks.{index}.", mcfg, seed)
-
-    def forward(self, x):  # (B, T, h) → (B, T, h)
-        return self.block(x)
+    def forward(self, x):  # embed: (B, T) → (B, T, h); block: (B, T, h) → (B, T, h); head: → (B, T, V/tp)
+        for name in self.order:
+            x = getattr(self, name)(x)
+        return x
 
 
-class HeadLayer(nn.Module):
-    """Last pipeline layer: the shared model's final norm and head."""
+def _fill_shards(module: nn.Module, prefix: str, run_cfg, tp_rank: int) -> None:
+    """This rank's tensor-parallel shard of each parameter's reference value (whole when tp = 1)."""
+    from bench.native.tensor import split_dim
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            full_name, shape = prefix + name, list(p.shape)
+            dim = split_dim(full_name) if run_cfg.tp > 1 else None
+            if dim is not None:
+                shape[dim] *= run_cfg.tp
+            full = init_value(full_name, shape, run_cfg.model_config, run_cfg.seed)
+            p.copy_(full if dim is None else full.narrow(dim, tp_rank * p.shape[dim], p.shape[dim]))
 
-    def __init__(self, mcfg, seed: int):
-        super().__init__()
-        self.norm = fill_from_reference(_norm(mcfg), "norm.", mcfg, seed)
-        self.head = fill_from_reference(nn.Linear(mcfg.hidden, mcfg.vocab, bias=False), "head.", mcfg, seed)
 
-    def forward(self, x):  # (B, T, h) → (B, T, vocab)
-        return self.head(self.norm(x))
+def _meta_gpt(ctx: RunContext) -> nn.Module:
+    """The whole GPT on the meta device (no memory), with tensor-parallel shapes and regions if tp > 1."""
+    cfg = ctx.cfg
+    with torch.device("meta"):
+        model = GPT(cfg.model_config)
+    if cfg.tp > 1:
+        from bench.native.tensor import apply_tensor_parallel
+        apply_tensor_parallel(model, cfg, ctx.groups.tp, ctx.groups.coord.tp, cfg.tp)
+    return model
+
+
+def _loss(ctx: RunContext):
+    """Cross-entropy on the head's logits: full-vocab, or vocab-sharded over tp (native TP layers)."""
+    if ctx.cfg.tp == 1:
+        return loss_fn
+    from bench.native.tensor import vocab_parallel_cross_entropy
+    group = ctx.groups.tp
+    return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, group)
 
 
 class PipelineTrainer(_DeepSpeedTrainer):
@@ -339,11 +355,15 @@ class PipelineTrainer(_DeepSpeedTrainer):
     def __init__(self, ds, ctx: RunContext, config: dict):
         super().__init__(ds, ctx, config)
         from deepspeed.pipe import LayerSpec, PipelineModule
-        mcfg, seed = ctx.cfg.model_config, ctx.cfg.seed
-        layers = [LayerSpec(EmbedLayer, mcfg, seed),
-                  *(LayerSpec(BlockLayer, mcfg, i, seed) for i in range(mcfg.layers)),
-                  LayerSpec(HeadLayer, mcfg, seed)]
-        net = PipelineModule(layers=layers, loss_fn=loss_fn, topology=topology(ctx.groups.layout),
+        cfg, tp_rank = ctx.cfg, ctx.groups.coord.tp
+        gpt = _meta_gpt(ctx)
+        self.tp_impl = "native" if cfg.tp > 1 else "none"
+        pieces = [({"embed": gpt.embed}, ""),
+                  *(({str(i): b}, "blocks.") for i, b in enumerate(gpt.blocks)),
+                  ({"norm": gpt.norm, "head": gpt.head}, "")]
+        # LayerSpec: a stage builds (allocates and fills) only its own pieces.
+        layers = [LayerSpec(Piece, parts, prefix, cfg, tp_rank) for parts, prefix in pieces]
+        net = PipelineModule(layers=layers, loss_fn=_loss(ctx), topology=topology(ctx.groups.layout),
                              partition_method="uniform")
         self._initialize(net)
 

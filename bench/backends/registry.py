@@ -74,9 +74,9 @@ def _deepspeed(cfg: "RunConfig") -> str | None:
         return "backend deepspeed: sequence_parallel is not supported (native engine only)"
     if cfg.pp > 1 and cfg.schedule != "1f1b":
         return f"backend deepspeed: its pipeline engine runs 1f1b only, not schedule={cfg.schedule}"
-    if cfg.tp > 1:
-        return (f"backend deepspeed: tp={cfg.tp} is not supported yet (AutoTP training does not run on this "
-                "CPU build and the native TP layers are not wired in); use tp=1")
+    if cfg.tp > 1 and cfg.model_config.tie_embeddings:
+        return ("backend deepspeed: tp > 1 with tie_embeddings is not supported (the native TP layers it "
+                "uses shard embedding and head separately); untie the embeddings")
     from bench.backends import deepspeed_config  # pure: parses ds_set, no torch
     return deepspeed_config.check(cfg) or _common(cfg, "deepspeed", (0, 1, 2, 3))
 

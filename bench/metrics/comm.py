@@ -78,6 +78,8 @@ class CommCounter(TorchDispatchMode):
         if ns == "c10d" and name in _C10D:
             kind, idx = _C10D[name]
             dim, n = self._group(args)
+            if name in ("send", "recv_") and dim in ("world", "other"):
+                dim = self._p2p_dim(args)
             self._add(dim, kind, 0 if idx is None else _nbytes(args[idx]), n)
         elif ns == "_c10d_functional" and name in _FUNCOL:
             out = func(*args, **kwargs)
@@ -103,6 +105,13 @@ class CommCounter(TorchDispatchMode):
                     continue
                 return self._classify(pg.group_name, pg)
         return "other", 1
+
+    def _p2p_dim(self, args) -> str:
+        """A send/recv on a wide group (DeepSpeed's pipeline sends on WORLD) belongs to the dim
+        whose group holds both ends: args are (tensors, group, peer rank in group, tag)."""
+        pg = next(dist.ProcessGroup.unbox(a) for a in args if type(a).__name__ == "ScriptObject")
+        peer = dist.get_global_rank(pg, args[2])
+        return self.dim_of([dist.get_rank(), peer]) if self.dim_of else "other"
 
     def _group_by_name(self, group_name: str) -> tuple[str, int]:
         from torch.distributed.distributed_c10d import _resolve_process_group
