@@ -178,3 +178,14 @@ def test_bench_run_fsdp_full_matches_native(pools):
     assert math.isclose(row["loss_last"], ref["loss_last"], rel_tol=1e-5)
     assert row["comm_bytes_dp"] > 0 and row["comm_bytes_tp"] == row["comm_bytes_pp"] == 0
     assert row["persistent_bytes"] == 4 * P * F32 // 2
+
+
+# --- world 8: full 3-D (slow tier) --------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,schedule,virtual", [("full", "1f1b", 1), ("hybrid", "interleaved", 2)])
+def test_fsdp_3d_tp_pp_dp(pools, reference, strategy, schedule, virtual):
+    row = run_ok(pools, backend="fsdp", fsdp=strategy, tp=2, pp=2, dp=2, micro_batch=1, micro_batches=2,
+                 schedule=schedule, virtual_stages=virtual, timeout_s=900)
+    assert_parity(row, reference)
+    assert row["comm_bytes_tp"] > 0 and row["comm_bytes_pp"] > 0 and row["comm_bytes_dp"] > 0
+    assert row.get("comm_bytes_other", 0) == 0  # every mesh group is classified as tp, pp or dp
