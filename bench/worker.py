@@ -13,6 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from bench.analysis.estimate import predict_row
 from bench.backends.base import RunContext
 from bench.backends.registry import get_backend
 from bench.config import RunConfig
@@ -121,6 +122,7 @@ def make_row(cfg: RunConfig, ranks: list[dict], device: torch.device) -> dict:
     for key in sorted(comm_keys):  # averaged over ranks (DESIGN.md)
         row[key] = sum(r["comm"].get(key, 0) for r in ranks) / len(ranks)
     row.update(_merge_extras([r["extras"] for r in ranks]))
+    row.update(predict_row(cfg))  # pred_* columns beside the measured ones (bench.analysis)
     return row
 
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from bench.analysis.memory import block_params_local, precision, sharding, stage_params
+from bench.analysis.memory import block_params_local, hybrid_shard, precision, sharding, stage_params
+from bench.analysis.params import fsdp_groups, native_buckets, numel, padded_numel
 from bench.analysis.schedule import chunk_layers, stage_chunks
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
@@ -69,42 +70,53 @@ def wire_bytes(kind: str, payload: float, n: int) -> float:
     return float(payload)
 
 
-def _sp_params_local(m, layers: int, last: bool) -> int:
-    """Replicated parameters that see sequence shards under sequence parallel (grads all-reduced)."""
-    norm = m.hidden * (2 if m.norm == "layernorm" else 1)
-    per_layer = 2 * norm + (2 * m.hidden if m.bias else 0)
-    return layers * per_layer + (norm if last else 0)
+def _stage_shape(cfg, stage: int) -> tuple[int, bool, bool]:
+    chunks = chunk_layers(cfg.model_config.layers, cfg.pp, cfg.virtual_stages)
+    mine = stage_chunks(stage, cfg.pp, cfg.virtual_stages)
+    return sum(chunks[c] for c in mine), 0 in mine, len(chunks) - 1 in mine
+
+
+def _bytes_per_param(cfg, mixed_state: str) -> tuple[int, int]:
+    """(gradient reduction, parameter all-gather) element bytes for the backend."""
+    prec = precision(cfg.dtype, mixed_state)
+    if cfg.backend == "fsdp" and cfg.dtype != "fp32":  # MixedPrecisionPolicy: bf16 gathers, fp32 reduce
+        return 4, 2
+    return prec.grad_comm, prec.param_comm
 
 
 def tp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     m, prec, t = cfg.model_config, precision(cfg.dtype, mixed_state), cfg.tp
     if t == 1:
         return []
-    chunks = chunk_layers(m.layers, cfg.pp, cfg.virtual_stages)
-    mine = stage_chunks(stage, cfg.pp, cfg.virtual_stages)
-    layers, first, last = sum(chunks[c] for c in mine), 0 in mine, len(chunks) - 1 in mine
+    layers, first, last = _stage_shape(cfg, stage)
     x, mb = cfg.micro_batch * cfg.seq * m.hidden, cfg.micro_batches
+    # full recomputation re-runs every block's forward, collectives included (torch.utils.checkpoint)
+    fwd = 2 * layers * mb * (2 if cfg.recompute == "full" else 1)
+    bwd = 2 * layers * mb
+    if cfg.backend == "fsdp":  # DTensor Colwise/Rowwise on the blocks only; embedding and head replicated
+        return [Traffic("tp", "all_reduce", x * prec.comm_fwd, fwd, t, "block outputs (fwd)"),
+                Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)")]
     out = []
     if not cfg.sequence_parallel:
-        out.append(Traffic("tp", "all_reduce", x * prec.comm_fwd, 2 * layers * mb, t, "block outputs (fwd)"))
-        out.append(Traffic("tp", "all_reduce", x * prec.comm_bwd, 2 * layers * mb, t, "block input grads (bwd)"))
+        out.append(Traffic("tp", "all_reduce", x * prec.comm_fwd, fwd, t, "block outputs (fwd)"))
+        out.append(Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)"))
         if first:
             out.append(Traffic("tp", "all_reduce", x * prec.comm_embed, mb, t, "vocab-parallel embedding (fwd)"))
         if last:
             out.append(Traffic("tp", "all_reduce", x * prec.comm_bwd, mb, t, "head input grad (bwd)"))
     else:
-        out.append(Traffic("tp", "all_gather", x * prec.comm_bwd, 2 * layers * mb, t, "sequence → full (fwd)"))
-        out.append(Traffic("tp", "reduce_scatter", x * prec.comm_fwd, 2 * layers * mb, t, "full → sequence (fwd)"))
-        out.append(Traffic("tp", "reduce_scatter", x * prec.comm_bwd, 2 * layers * mb, t, "grads of gathers (bwd)"))
-        out.append(Traffic("tp", "all_gather", x * prec.comm_fwd, 2 * layers * mb, t, "grads of scatters (bwd)"))
+        out.append(Traffic("tp", "all_gather", x * prec.comm_fwd, fwd, t, "sequence → full (fwd)"))
+        out.append(Traffic("tp", "reduce_scatter", x * prec.comm_fwd, fwd, t, "full → sequence (fwd)"))
+        out.append(Traffic("tp", "reduce_scatter", x * prec.comm_bwd, bwd, t, "grads of gathers (bwd)"))
+        out.append(Traffic("tp", "all_gather", x * prec.comm_bwd, bwd, t, "grads of scatters (bwd)"))
         if first:
             out.append(Traffic("tp", "reduce_scatter", x * prec.comm_embed, mb, t, "embedding (fwd)"))
-            out.append(Traffic("tp", "all_gather", x * prec.comm_pp, mb, t, "embedding grad (bwd)"))
+            out.append(Traffic("tp", "all_gather", x * prec.comm_bwd, mb, t, "embedding grad (bwd)"))
         if last:
-            out.append(Traffic("tp", "all_gather", x * prec.comm_pp, mb, t, "head input (fwd)"))
+            out.append(Traffic("tp", "all_gather", x * prec.comm_fwd, mb, t, "head input (fwd)"))
             out.append(Traffic("tp", "reduce_scatter", x * prec.comm_bwd, mb, t, "head input grad (bwd)"))
-        n = _sp_params_local(m, layers, last)
-        out.append(Traffic("tp", "all_reduce", n * FP32, 1, t, "sequence-parallel param grads", "step"))
+        _, n_sp = native_buckets(m, t, cfg.pp, cfg.virtual_stages, stage, True, cfg.bucket_mb)
+        out.append(Traffic("tp", "all_reduce", n_sp * FP32, 1, t, "sequence-parallel param grads (fp32)", "step"))
     if last:
         out.append(Traffic("tp", "all_reduce", cfg.micro_batch * cfg.seq * FP32, 3 * mb, t,
                            "vocab-parallel cross-entropy (fwd)"))
@@ -130,45 +142,87 @@ def pp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     return out
 
 
-def dp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
-    m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
-    what, shard = sharding(cfg)
+def dp_traffic(cfg, stage: int, mixed_state: str = "zero", gpus_per_node: int | None = None) -> list[Traffic]:
     if cfg.dp == 1:
         return []
+    m = cfg.model_config
+    grad_b, param_b = _bytes_per_param(cfg, mixed_state)
+    if cfg.backend == "native":
+        return _native_dp(cfg, stage)
+    if cfg.backend == "fsdp":
+        return _fsdp_dp(cfg, stage, grad_b, param_b, gpus_per_node)
     n = stage_params(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage)
-    grads, params = n * prec.grad_comm, n * prec.param_comm
-    if what == "none":
+    grads, params = n * grad_b, n * param_b
+    what, _ = sharding(cfg)
+    if what == "none":  # ddp, deepspeed ZeRO-0
         return [Traffic("dp", "all_reduce", grads, 1, cfg.dp, "gradients", "step")]
-    if what in ("optimizer",) or (what == "grads" and cfg.backend != "fsdp"):
+    if what in ("optimizer", "grads"):  # ZeRO-1/2 (ZeRO paper §7: the same volume as an all-reduce)
         return [Traffic("dp", "reduce_scatter", grads, 1, cfg.dp, "gradients", "step"),
                 Traffic("dp", "all_gather", params, 1, cfg.dp, "updated parameters", "step")]
-    mb = cfg.micro_batches
-    if what == "grads":  # FSDP grad-op: parameters stay gathered from forward to backward
-        gathered = n * prec.param_comm
-    else:  # root (the stage's parameters outside blocks) once, blocks forward + backward
-        layers = sum(chunk_layers(m.layers, cfg.pp, cfg.virtual_stages)[c]
-                     for c in stage_chunks(stage, cfg.pp, cfg.virtual_stages))
-        blocks = layers * block_params_local(m, cfg.tp)
-        gathered = (n + blocks) * prec.param_comm
-    out = [Traffic("dp", "all_gather", gathered, mb, shard, "parameters"),
-           Traffic("dp", "reduce_scatter", grads, mb, shard, "gradients")]
-    if shard < cfg.dp:  # hybrid: shards all-reduced across replicas
-        out.append(Traffic("dp", "all_reduce", grads / shard, mb, cfg.dp // shard, "gradient shards"))
+    blocks = _stage_shape(cfg, stage)[0] * block_params_local(m, cfg.tp)
+    mb = cfg.micro_batches  # ZeRO-3: parameters gathered forward and backward every micro-batch
+    return [Traffic("dp", "all_gather", (n + blocks) * param_b, mb, cfg.dp, "parameters"),
+            Traffic("dp", "reduce_scatter", grads, mb, cfg.dp, "gradients")]
+
+
+def _native_dp(cfg, stage: int) -> list[Traffic]:
+    """bench.native: one flat fp32 buffer per bucket (+ the sequence-parallel bucket), reduced once
+    per step; ZeRO-1 pads each bucket to a multiple of dp, reduce-scatters it and all-gathers it."""
+    buckets, n_sp = native_buckets(cfg.model_config, cfg.tp, cfg.pp, cfg.virtual_stages, stage,
+                                   cfg.sequence_parallel, cfg.bucket_mb)
+    sizes = [b for b in (*buckets, n_sp) if b]
+    if not cfg.zero:
+        return [Traffic("dp", "all_reduce", FP32 * sum(sizes) / len(sizes), len(sizes), cfg.dp, "gradient buckets",
+                        "step")]
+    padded = sum(-(-b // cfg.dp) * cfg.dp for b in sizes) * FP32 / len(sizes)
+    return [Traffic("dp", "reduce_scatter", padded, len(sizes), cfg.dp, "gradient buckets", "step"),
+            Traffic("dp", "all_gather", padded, len(sizes), cfg.dp, "updated parameters", "step")]
+
+
+def _fsdp_gathers(kind: str, mode: str, mb: int, pp: int) -> int:
+    """All-gathers per step of one FSDP2 group. Without a pipeline every micro-batch gathers in
+    forward, and blocks that reshard after forward (full) gather again in backward. Under
+    torch.distributed.pipelining the stage keeps parameters unsharded after every backward but the
+    last, so blocks gather once per forward plus once for the first backward, the root once."""
+    if pp > 1:
+        return 1 if kind == "root" else mb + (0 if mode == "grad-op" else 1)
+    return mb * (2 if kind == "block" and mode != "grad-op" else 1)
+
+
+def _fsdp_dp(cfg, stage: int, grad_b: int, param_b: int, gpus_per_node: int | None) -> list[Traffic]:
+    """FSDP2, one communication group per block and one root per chunk; parameters padded on dim 0
+    to a multiple of the shard count. Micro-batches before the last skip the gradient sync, so the
+    reduce-scatter (and HSDP's all-reduce) runs once per step; the all-gathers: `_fsdp_gathers`."""
+    mode, mb = cfg.fsdp or "full", cfg.micro_batches
+    groups = fsdp_groups(cfg.model_config, cfg.tp, cfg.pp, cfg.virtual_stages, stage)
+    if mode == "none":  # FSDP2 replicate: one gradient all-reduce per group
+        total = sum(numel(s) for _, ps in groups for _, s, _ in ps) * grad_b
+        return [Traffic("dp", "all_reduce", total / len(groups), len(groups), cfg.dp, "gradients", "step")]
+    shard = hybrid_shard(cfg, gpus_per_node) if mode == "hybrid" else cfg.dp
+    sizes = [(kind, sum(padded_numel(s, shard) for _, s, _ in ps)) for kind, ps in groups]
+    counts = [_fsdp_gathers(kind, mode, mb, cfg.pp) for kind, _ in sizes]
+    gathered = sum(n * c for (_, n), c in zip(sizes, counts))
+    total = sum(n for _, n in sizes)
+    out = [Traffic("dp", "all_gather", gathered * param_b / sum(counts), sum(counts), shard, "parameters"),
+           Traffic("dp", "reduce_scatter", total * grad_b / len(groups), len(groups), shard, "gradients", "step")]
+    if shard < cfg.dp:  # HSDP: each shard's reduced gradients all-reduced across the replicas
+        out.append(Traffic("dp", "all_reduce", total * grad_b / shard / len(groups), len(groups),
+                           cfg.dp // shard, "gradient shards across replicas", "step"))
     return out
 
 
-def stage_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
+def stage_traffic(cfg, stage: int, mixed_state: str = "zero", gpus_per_node: int | None = None) -> list[Traffic]:
     return tp_traffic(cfg, stage, mixed_state) + pp_traffic(cfg, stage, mixed_state) + \
-        dp_traffic(cfg, stage, mixed_state)
+        dp_traffic(cfg, stage, mixed_state, gpus_per_node)
 
 
-def comm_summary(cfg, mixed_state: str = "zero") -> dict:
+def comm_summary(cfg, mixed_state: str = "zero", gpus_per_node: int | None = None) -> dict:
     """Row columns like the worker's, averaged over ranks (every stage has tp·dp ranks)."""
     out: dict[str, float] = defaultdict(float)
     for dim in ("tp", "pp", "dp"):
         out[f"comm_bytes_{dim}"] = out[f"comm_wire_bytes_{dim}"] = out[f"comm_ops_{dim}"] = 0.0
     for stage in range(cfg.pp):
-        for tr in stage_traffic(cfg, stage, mixed_state):
+        for tr in stage_traffic(cfg, stage, mixed_state, gpus_per_node):
             out[f"comm_bytes_{tr.dim}"] += tr.total / cfg.pp
             out[f"comm_wire_bytes_{tr.dim}"] += tr.wire / cfg.pp
             out[f"comm_ops_{tr.dim}"] += tr.ops / cfg.pp

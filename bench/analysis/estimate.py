@@ -48,6 +48,7 @@ class Shape:
     dtype: str = "bf16-mixed"
     sequence_parallel: bool = False
     recompute: str = "none"
+    bucket_mb: float = 25.0
     model_overrides: tuple = field(default=())
 
     @property
@@ -147,7 +148,7 @@ def predict_time(cfg, hw: Hardware, gpus_per_node: int | None = None, mixed_stat
     p, m = cfg.pp, cfg.micro_batches
     v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
     compute = hardware_flops_per_step(cfg) / cfg.world / (hw.peak(cfg.dtype) * hw.compute_efficiency)
-    traffic = {s: stage_traffic(cfg, s, mixed_state) for s in (range(p) if stages is None else stages)}
+    traffic = {s: stage_traffic(cfg, s, mixed_state, g) for s in (range(p) if stages is None else stages)}
     links = {d: link(cfg, hw, d, g) for d in ("tp", "pp", "dp")}
 
     def busiest(dim):  # the slowest stage sets the pace
@@ -177,14 +178,15 @@ def estimate(cfg, hardware: str | Hardware | None = None, gpus_per_node: int | N
              mixed_state: str | None = None, activations: str = "table2") -> dict:
     """Everything the cost model predicts for one config (keys: see the module docstrings)."""
     state = mixed_state or "zero"
+    hw = get_hardware(hardware) if hardware is not None else None
+    g = gpus_per_node or (hw.gpus_per_node if hw else None)
     out = {"mixed_state": state, "activations": activations, **memory(cfg, state, activations),
-           **comm_summary(cfg, state),
+           **comm_summary(cfg, state, g),
            "bubble_fraction": bubble_fraction(cfg.pp, cfg.micro_batches, cfg.schedule, cfg.virtual_stages),
            "flops_per_step": model_flops_per_step(cfg), "hardware_flops_per_step": hardware_flops_per_step(cfg),
            "tokens_per_step": cfg.tokens_per_step, "world_size": cfg.world}
-    if hardware is not None:
-        hw = get_hardware(hardware)
-        out.update(predict_time(cfg, hw, gpus_per_node, state))
+    if hw is not None:
+        out.update(predict_time(cfg, hw, g, state))
         out["memory_limit_bytes"] = hw.memory_bytes
         out["fits"] = out["total_bytes"] <= hw.memory_bytes
     return out
@@ -203,9 +205,19 @@ PRED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes
 
 def predict_row(cfg) -> dict:
     """`pred_*` columns for a measured row: the backend's own precision convention and this
-    suite's activations (no dropout, fused attention)."""
+    suite's activations (no dropout, fused attention). Never raises: a row is worth more than
+    its prediction (a failure is recorded in `pred_error`)."""
+    try:
+        return _predict_row(cfg)
+    except Exception as e:  # noqa: BLE001
+        return {"pred_error": f"{type(e).__name__}: {e}"}
+
+
+def _predict_row(cfg) -> dict:
     est = estimate(cfg, mixed_state=default_mixed_state(cfg), activations="suite")
     out = {f"pred_{k}": est[k] for k in PRED_KEYS}
+    for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes"):  # max over ranks,
+        out[f"pred_{k}"] = max(s[k] for s in est["stages"])  # per column, as the measured row
     for dim in ("tp", "pp", "dp"):
         out[f"pred_comm_bytes_{dim}"] = est[f"comm_bytes_{dim}"]
         out[f"pred_comm_wire_bytes_{dim}"] = est[f"comm_wire_bytes_{dim}"]

@@ -65,9 +65,9 @@ def precision(dtype: str, mixed_state: str = "zero") -> Precision:
         raise ValueError(f"mixed_state is {mixed_state!r}; choose one of {', '.join(MIXED_STATES)}")
     if mixed_state == "zero":
         return Precision(2, 2, 12, 2, 2, 2, 2, 2, 2, 2)
-    # autocast: weights and the residual stream stay fp32; matmul outputs are low precision, and the
-    # gradient w.r.t. a norm's fp32 output is fp32.
-    return Precision(4, 4, 8, 2, 2, 4, 4, 4, 4, 4)
+    # autocast: weights and gradients stay fp32 (reduced in fp32); the engines cast activations to
+    # the low precision before they communicate them (tp collectives, pipeline sends).
+    return Precision(4, 4, 8, 2, 2, 2, 2, 2, 4, 4)
 
 
 # --- parameters ----------------------------------------------------------------------------------
@@ -111,6 +111,13 @@ def root_params_local(m: GPTConfig, tp: int) -> float:
 
 
 # --- sharding ------------------------------------------------------------------------------------
+def fsdp_stage_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, shard: int) -> float:
+    """Parameters one rank stores under FSDP2: each one's dim 0 padded to a multiple of `shard`, ÷ shard."""
+    from bench.analysis.params import fsdp_groups, padded_numel
+    groups = fsdp_groups(m, tp, pp, virtual_stages, stage)
+    return sum(padded_numel(s, shard) for _, ps in groups for _, s, _ in ps) / shard
+
+
 def sharding(cfg) -> tuple[str, int]:
     """(what is sharded over dp: none | optimizer | grads | params, over how many ranks)."""
     n = cfg.dp
@@ -120,13 +127,20 @@ def sharding(cfg) -> tuple[str, int]:
             return "none", 1
         if mode == "hybrid":
             return "params", hybrid_shard(cfg)
-        return ("grads" if mode == "grad-op" else "params"), n
+        return "params", n  # grad-op too: FSDP2 stores shards, gathers them for forward + backward
     return {0: "none", 1: "optimizer", 2: "grads", 3: "params"}[cfg.zero], (n if cfg.zero else 1)
 
 
-def hybrid_shard(cfg) -> int:
-    """FSDP hybrid: shard within groups of this many dp ranks, replicate across them (dp / 2 here)."""
-    return max(1, cfg.dp // 2)
+def hybrid_shard(cfg, gpus_per_node: int | None = None) -> int:
+    """FSDP hybrid (bench.backends.sharded_init.hybrid_shape): the largest divisor of dp below dp
+    that fits the dp ranks of one node (all of them when `gpus_per_node` is None: one machine)."""
+    per_node = cfg.dp if gpus_per_node is None else _dp_ranks_per_node(cfg, gpus_per_node)
+    return max(d for d in range(1, cfg.dp) if cfg.dp % d == 0 and d <= max(per_node, 1))
+
+
+def _dp_ranks_per_node(cfg, gpus_per_node: int) -> int:
+    stride = cfg.tp * (cfg.pp if cfg.order == "tp-pp-dp" else 1)  # distance between dp neighbours
+    return max(1, min(cfg.dp, gpus_per_node // stride))
 
 
 def state_divisors(cfg) -> tuple[int, int, int]:
@@ -188,10 +202,18 @@ def stage_memory(cfg, stage: int, mixed_state: str = "zero", act: ActivationMode
     m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
     n_params = stage_params(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage)
     dp_, dg, do = state_divisors(cfg)
+    full_stage = n_params
+    if cfg.backend == "fsdp":  # DTensor TP keeps embedding/head whole; FSDP2 pads dim 0 per parameter
+        what, shard = sharding(cfg)
+        full_stage = fsdp_stage_params(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage, 1)
+        n_params = fsdp_stage_params(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage, shard if what != "none" else 1)
+        dp_ = dg = do = 1
     per_layer = layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
                                        cfg.recompute, prec.act, act)
     layers_in_flight = in_flight_layers(stage, m.layers, cfg.pp, cfg.micro_batches, cfg.schedule,
                                         cfg.virtual_stages)
+    if cfg.pp == 1 and cfg.schedule == "gpipe" and cfg.backend == "native":
+        layers_in_flight *= cfg.micro_batches  # the native engine runs GPipe's all-forward-first even at pp = 1
     activations = per_layer * layers_in_flight
     if stage == cfg.pp - 1:
         mbs = in_flight_micro_batches(stage, cfg.pp, cfg.micro_batches, cfg.schedule)
@@ -201,8 +223,12 @@ def stage_memory(cfg, stage: int, mixed_state: str = "zero", act: ActivationMode
     if cfg.recompute == "full":  # backward recomputes one layer's full activations
         transient += layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
                                             "none", prec.act, act)
-    if dp_ > 1:  # sharded params: two blocks gathered (compute + prefetch), one block of full grads
-        transient += block_params_local(m, cfg.tp) * (2 * prec.param + prec.grad)
+    gather_b = 2 if cfg.backend == "fsdp" and cfg.dtype != "fp32" else prec.param  # FSDP2 gathers in bf16
+    if cfg.backend == "fsdp" and cfg.fsdp == "grad-op":  # gathered from forward until after backward
+        transient += full_stage * gather_b
+    elif dp_ > 1 or (cfg.backend == "fsdp" and sharding(cfg)[0] == "params"):
+        # sharded params: two blocks gathered (compute + prefetch), one block of unsharded grads
+        transient += block_params_local(m, cfg.tp) * (2 * gather_b + prec.grad)
     out = {"params_bytes": n_params * prec.param / dp_, "grads_bytes": n_params * prec.grad / dg,
            "optimizer_bytes": n_params * prec.optimizer / do, "activation_bytes": activations,
            "activation_bytes_per_layer": per_layer, "transient_bytes": transient}

@@ -1,0 +1,127 @@
+"""Every parameter a rank holds, in registration order, with its local shape: what the engines
+bucket (native ZeRO-1 pads each bucket to a multiple of dp) and shard (FSDP2 pads dim 0 of each
+parameter to a multiple of the shard size). Exact byte predictions need this level of detail;
+everything else in the cost model works on totals.
+
+Each entry is (name, local shape, tp_split): tp_split is False for parameters replicated over tp
+(norms, row-parallel biases, the position table: under sequence parallel their gradients are
+partial per sequence chunk and get summed over tp).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from bench.analysis.schedule import chunk_layers, stage_chunks
+from models.config import GPTConfig
+
+Param = tuple[str, tuple[int, ...], bool]
+
+
+def _norm(m: GPTConfig, name: str) -> list[Param]:
+    out = [(f"{name}.weight", (m.hidden,), False)]
+    return out + ([(f"{name}.bias", (m.hidden,), False)] if m.norm == "layernorm" else [])
+
+
+def _linear(name: str, out_f: int, in_f: int, bias: bool, split_out: bool, split_in: bool, tp: int,
+            bias_split: bool) -> list[Param]:
+    shape = (out_f // tp if split_out else out_f, in_f // tp if split_in else in_f)
+    out = [(f"{name}.weight", shape, split_out or split_in)]
+    if bias:
+        out.append((f"{name}.bias", (out_f // tp if bias_split else out_f,), bias_split))
+    return out
+
+
+def block(m: GPTConfig, i: int, tp: int = 1, vocab_parallel_tp: bool = True) -> list[Param]:
+    """One transformer block (Megatron split: qkv, fc1 column-parallel; proj, fc2 row-parallel)."""
+    h, f, p = m.hidden, m.ffn_hidden, f"blocks.{i}"
+    up = 2 * f if m.activation == "swiglu" else f
+    return (_norm(m, f"{p}.ln1")
+            + _linear(f"{p}.attn.qkv", 3 * h, h, m.bias, True, False, tp, True)
+            + _linear(f"{p}.attn.proj", h, h, m.bias, False, True, tp, False)
+            + _norm(m, f"{p}.ln2")
+            + _linear(f"{p}.mlp.fc1", up, h, m.bias, True, False, tp, True)
+            + _linear(f"{p}.mlp.fc2", h, f, m.bias, False, True, tp, False))
+
+
+def chunk_params(m: GPTConfig, tp: int, first: bool, last: bool, layer_ids: list[int], tied_here: bool,
+                 vocab_parallel: bool = True) -> list[Param]:
+    """A model chunk: embedding (first), blocks, final norm and head (last). `vocab_parallel`: the
+    token table and head split over tp (native); False: replicated (the fsdp backend's DTensor plan)."""
+    vt = tp if vocab_parallel else 1
+    out: list[Param] = []
+    if first:
+        out.append(("embed.tok.weight", (m.vocab // vt, m.hidden), vocab_parallel and tp > 1))
+        if m.position == "learned":
+            out.append(("embed.pos.weight", (m.seq_len, m.hidden), False))
+    for i in layer_ids:
+        out += block(m, i, tp)
+    if last:
+        out += _norm(m, "norm")
+        if not tied_here:
+            out.append(("head.weight", (m.vocab // vt, m.hidden), vocab_parallel and tp > 1))
+    return out
+
+
+def stage_chunk_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int,
+                       vocab_parallel: bool = True) -> list[list[Param]]:
+    """The chunks pipeline rank `stage` holds, each as its parameter list."""
+    sizes = chunk_layers(m.layers, pp, virtual_stages)
+    starts = [sum(sizes[:c]) for c in range(len(sizes))]
+    out = []
+    for c in stage_chunks(stage, pp, virtual_stages):
+        first, last = c == 0, c == len(sizes) - 1
+        ids = list(range(starts[c], starts[c] + sizes[c]))
+        out.append(chunk_params(m, tp, first, last, ids, first and last and m.tie_embeddings, vocab_parallel))
+    return out
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@lru_cache(maxsize=4096)
+def native_buckets(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, sequence_parallel: bool,
+                   bucket_mb: float) -> tuple[tuple[int, ...], int]:
+    """(element counts of the gradient buckets, of the sequence-parallel bucket) as bench.native
+    builds them: parameters in reverse order, a new bucket when the next would pass bucket_mb."""
+    chunks = stage_chunk_params(m, tp, pp, virtual_stages, stage)
+    params = [p for chunk in reversed(chunks) for p in reversed(chunk)]
+    sp = [p for p in params if sequence_parallel and not p[2]]
+    hooked = [p for p in params if not (sequence_parallel and not p[2])]
+    cap, buckets, size = bucket_mb * 2**20, [], 0
+    for _, shape, _ in hooked:
+        nbytes = numel(shape) * 4
+        if buckets and size + nbytes > cap:
+            buckets.append(0)
+            size = 0
+        if not buckets:
+            buckets.append(0)
+        buckets[-1] += numel(shape)
+        size += nbytes
+    return tuple(buckets), sum(numel(s) for _, s, _ in sp)
+
+
+@lru_cache(maxsize=4096)
+def fsdp_groups(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int) -> list[tuple[str, list[Param]]]:
+    """FSDP2 communication groups of a stage's chunks: each block, then the chunk's remaining
+    parameters (the root: embeddings, final norm, head), in the order FSDP wraps them."""
+    out = []
+    for chunk in stage_chunk_params(m, tp, pp, virtual_stages, stage, vocab_parallel=False):
+        blocks: dict[str, list[Param]] = {}
+        root: list[Param] = []
+        for p in chunk:
+            if p[0].startswith("blocks."):
+                blocks.setdefault(p[0].split(".")[1], []).append(p)
+            else:
+                root.append(p)
+        out += [("block", ps) for ps in blocks.values()] + ([("root", root)] if root else [])
+    return out
+
+
+def padded_numel(shape: tuple[int, ...], shards: int) -> int:
+    """FSDP2 pads dim 0 of every parameter to a multiple of the shard count."""
+    dim0 = -(-shape[0] // shards) * shards
+    return dim0 * numel(shape[1:])
