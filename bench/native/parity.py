@@ -90,7 +90,9 @@ def _rank_main(rank: int, world: int, port: int, cfgs: list[dict], steps: int, o
         dist.init_process_group("gloo")
         for i, cfg in enumerate(cfgs):
             result = _one_layout(RunConfig.from_dict(cfg), steps)
-            if rank == 0:
+            if rank == 0:  # numpy: torch tensors would travel as shared memory that dies with this process
+                grads = result["grads"]
+                result["grads"] = grads and {k: v.numpy() for k, v in grads.items()}
                 out.put((i, result))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -120,6 +122,8 @@ def run_layouts(world: int, cfgs: list, steps: int = 3, timeout_s: float = 600) 
                 continue
             if i < 0:
                 raise RuntimeError(payload)
+            if payload["grads"] is not None:
+                payload["grads"] = {k: torch.from_numpy(v) for k, v in payload["grads"].items()}
             results[i] = payload
     finally:
         for p in procs:

@@ -35,9 +35,10 @@ def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     p = group_size(group)
     if p == 1:
         return x
-    out = x.new_empty((p, *x.shape))  # (p, B, T/p, h)
+    B = x.shape[0]
+    out = x.new_empty((p * B, *x.shape[1:]))  # (p·B, T/p, h): rank-major, as gloo wants dim 0
     dist.all_gather_single(out, x.contiguous(), group=group)
-    return out.transpose(0, 1).reshape(x.shape[0], p * x.shape[1], *x.shape[2:])
+    return out.view(p, B, *x.shape[1:]).transpose(0, 1).reshape(B, p * x.shape[1], *x.shape[2:])
 
 
 def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -46,8 +47,8 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     if p == 1:
         return x
     B, T = x.shape[:2]
-    chunks = x.reshape(B, p, T // p, *x.shape[2:]).transpose(0, 1).contiguous()  # (p, B, T/p, h)
-    out = x.new_empty(chunks.shape[1:])
+    chunks = x.reshape(B, p, T // p, *x.shape[2:]).transpose(0, 1).reshape(p * B, T // p, *x.shape[2:])
+    out = x.new_empty((B, T // p, *x.shape[2:]))  # chunks: (p·B, T/p, h), rank-major
     dist.reduce_scatter_single(out, chunks, group=group)
     return out
 
