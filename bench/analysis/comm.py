@@ -31,10 +31,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from bench.analysis.memory import block_params_local, hybrid_shard, precision, sharding, stage_params
-from bench.analysis.params import fsdp_groups, native_buckets, numel, padded_numel
+from bench.analysis.params import fsdp_groups, native_buckets, numel, padded_numel, stage_chunk_params
 from bench.analysis.schedule import chunk_layers, stage_chunks
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
 FP32 = 4
 
 
@@ -90,23 +90,27 @@ def tp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         return []
     layers, first, last = _stage_shape(cfg, stage)
     x, mb = cfg.micro_batch * cfg.seq * m.hidden, cfg.micro_batches
-    # full recomputation re-runs every block's forward, collectives included (torch.utils.checkpoint)
-    fwd = 2 * layers * mb * (2 if cfg.recompute == "full" else 1)
-    bwd = 2 * layers * mb
+    # Full recomputation (native: torch.utils.checkpoint per block) re-runs each block's forward in
+    # backward, collectives included, up to the last saved tensor: the attention region's exit and
+    # both region entries again, not the MLP's exit (checkpoint stops once everything is recomputed).
+    again = layers * mb if cfg.recompute == "full" and cfg.backend == "native" else 0
+    enter, leave, bwd = 2 * layers * mb + 2 * again, 2 * layers * mb + again, 2 * layers * mb
     if cfg.backend == "fsdp":  # DTensor Colwise/Rowwise on the blocks only; embedding and head replicated
-        return [Traffic("tp", "all_reduce", x * prec.comm_fwd, fwd, t, "block outputs (fwd)"),
+        return [Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"),
                 Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)")]
     out = []
+    if cfg.backend == "deepspeed":  # the overflow / gradient-norm check also reduces over model parallel
+        out.append(Traffic("tp", "all_reduce", FP32, 1, t, "gradient-norm scalar", "step"))
     if not cfg.sequence_parallel:
-        out.append(Traffic("tp", "all_reduce", x * prec.comm_fwd, fwd, t, "block outputs (fwd)"))
+        out.append(Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"))
         out.append(Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)"))
         if first:
             out.append(Traffic("tp", "all_reduce", x * prec.comm_embed, mb, t, "vocab-parallel embedding (fwd)"))
         if last:
             out.append(Traffic("tp", "all_reduce", x * prec.comm_bwd, mb, t, "head input grad (bwd)"))
     else:
-        out.append(Traffic("tp", "all_gather", x * prec.comm_fwd, fwd, t, "sequence → full (fwd)"))
-        out.append(Traffic("tp", "reduce_scatter", x * prec.comm_fwd, fwd, t, "full → sequence (fwd)"))
+        out.append(Traffic("tp", "all_gather", x * prec.comm_fwd, enter, t, "sequence → full (fwd)"))
+        out.append(Traffic("tp", "reduce_scatter", x * prec.comm_fwd, leave, t, "full → sequence (fwd)"))
         out.append(Traffic("tp", "reduce_scatter", x * prec.comm_bwd, bwd, t, "grads of gathers (bwd)"))
         out.append(Traffic("tp", "all_gather", x * prec.comm_bwd, bwd, t, "grads of scatters (bwd)"))
         if first:
@@ -139,6 +143,9 @@ def pp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         out.append(Traffic("pp", "send", msg, bwd * mb, 2, "grads to previous stage"))
     # the counter sees each receive as an op of 0 bytes
     out.append(Traffic("pp", "recv", 0, (fwd + bwd) * mb, 2, "receives (counted as ops)"))
+    if cfg.backend == "deepspeed":  # its pipeline engine's bookkeeping, as measured: overflow flag, loss
+        out += [Traffic("pp", "all_reduce", FP32, 1, cfg.pp, "overflow check", "step"),
+                Traffic("pp", "broadcast", 2 * FP32, 1, cfg.pp, "loss from the last stage", "step")]
     return out
 
 
@@ -156,13 +163,54 @@ def dp_traffic(cfg, stage: int, mixed_state: str = "zero", gpus_per_node: int | 
     what, _ = sharding(cfg)
     if what == "none":  # ddp, deepspeed ZeRO-0
         return [Traffic("dp", "all_reduce", grads, 1, cfg.dp, "gradients", "step")]
+    if cfg.backend == "deepspeed" and what in ("optimizer", "grads"):
+        # DeepSpeed ZeRO-1/2 as measured: gradients all-reduced (ZeRO-1 once per step at the
+        # accumulation boundary, ZeRO-2 after every micro-batch), a 4-byte overflow check, the
+        # updated partitions all-gathered.
+        times = cfg.micro_batches if what == "grads" else 1
+        out = [Traffic("dp", "all_reduce", grads, times, cfg.dp, "gradients", "step"),
+               Traffic("dp", "all_reduce", FP32, 1, cfg.dp, "overflow check", "step"),
+               Traffic("dp", "all_gather", params, 1, cfg.dp, "updated parameters", "step")]
+        if cfg.pp > 1 and stage == cfg.pp - 1:  # the pipeline engine averages the loss over dp
+            out.append(Traffic("dp", "all_reduce", FP32, 1, cfg.dp, "loss", "step"))
+        return out
     if what in ("optimizer", "grads"):  # ZeRO-1/2 (ZeRO paper §7: the same volume as an all-reduce)
         return [Traffic("dp", "reduce_scatter", grads, 1, cfg.dp, "gradients", "step"),
                 Traffic("dp", "all_gather", params, 1, cfg.dp, "updated parameters", "step")]
+    if cfg.backend == "deepspeed":
+        return _deepspeed_zero3(cfg, stage, grad_b, param_b)
     blocks = _stage_shape(cfg, stage)[0] * block_params_local(m, cfg.tp)
     mb = cfg.micro_batches  # ZeRO-3: parameters gathered forward and backward every micro-batch
     return [Traffic("dp", "all_gather", (n + blocks) * param_b, mb, cfg.dp, "parameters"),
             Traffic("dp", "reduce_scatter", grads, mb, cfg.dp, "gradients")]
+
+
+DS_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
+
+
+def _deepspeed_zero3(cfg, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
+    """DeepSpeed ZeRO-3: parameters below the persistence threshold stay whole on every rank and
+    are all-gathered one by one after the optimizer step; the others are gathered for forward and
+    again for backward every micro-batch; gradients reduce-scattered every micro-batch; an 8-byte
+    overflow check. (Verified on the tiny model, whose parameters are all persistent.)"""
+    threshold = DS_PERSISTENCE_THRESHOLD
+    for entry in cfg.ds_set:
+        key, _, value = entry.partition("=")
+        if key.strip() == "zero_optimization.stage3_param_persistence_threshold":
+            threshold = float(value)
+    params = [numel(s) for chunk in stage_chunk_params(cfg.model_config, cfg.tp, cfg.pp, cfg.virtual_stages, stage)
+              for _, s, _ in chunk]
+    kept = [n for n in params if n < threshold]
+    parted = sum(params) - sum(kept)
+    mb, out = cfg.micro_batches, []
+    if kept:
+        out.append(Traffic("dp", "all_gather", sum(kept) * param_b / len(kept), len(kept), cfg.dp,
+                           "persistent parameters", "step"))
+    if parted:
+        out.append(Traffic("dp", "all_gather", parted * param_b, 2 * mb, cfg.dp, "partitioned parameters"))
+    out += [Traffic("dp", "reduce_scatter", sum(params) * grad_b, mb, cfg.dp, "gradients"),
+            Traffic("dp", "all_reduce", 2 * FP32, 1, cfg.dp, "overflow check", "step")]
+    return out
 
 
 def _native_dp(cfg, stage: int) -> list[Traffic]:
@@ -185,7 +233,7 @@ def _fsdp_gathers(kind: str, mode: str, mb: int, pp: int) -> int:
     torch.distributed.pipelining the stage keeps parameters unsharded after every backward but the
     last, so blocks gather once per forward plus once for the first backward, the root once."""
     if pp > 1:
-        return 1 if kind == "root" else mb + (0 if mode == "grad-op" else 1)
+        return 1 if kind == "root" or mode == "grad-op" else mb + 1
     return mb * (2 if kind == "block" and mode != "grad-op" else 1)
 
 

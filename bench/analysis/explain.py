@@ -34,7 +34,7 @@ def _ops(traffic) -> dict:
 
 
 OP_NAMES = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
-            "send": "send-recv"}
+            "send": "send-recv", "broadcast": "broadcast"}
 
 
 def explain(lay: Layout, rack_size: int | None = None, cfg=None, mixed_state: str = "zero") -> dict:
