@@ -61,10 +61,11 @@ def throughput_heatmap(df: pd.DataFrame):
         return "no successful run with a tokens_per_s measurement"
     configs = per_config(ok, ["tokens_per_s"])
     by_dp = configs.groupby(["variant", "tp", "pp"])["dp"].nunique().max() > 1
-    panels = sorted(configs.groupby(["variant", "dp"] if by_dp else ["variant"]).groups)
+    panels = sorted(configs.groupby(["variant", "dp"] if by_dp else "variant").groups)
     ncols = min(4, len(panels))
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols + 1.2, 3.1 * nrows + 0.6), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols + 1.2, 3.3 * nrows + 0.6), squeeze=False,
+                             layout="constrained")
     vmax = configs["tokens_per_s"].max()
     for ax, panel in zip(axes.flat, panels):
         panel = panel if isinstance(panel, tuple) else (panel,)
@@ -84,11 +85,10 @@ def throughput_heatmap(df: pd.DataFrame):
 def _heatmap_panel(ax, sub: pd.DataFrame, vmax: float, title: str) -> None:
     best = sub.sort_values("tokens_per_s").groupby(["pp", "tp"]).tail(1)  # best option set per cell
     values = best.pivot(index="pp", columns="tp", values="tokens_per_s")
-    dps = best.pivot(index="pp", columns="tp", values="dp")
-    text = values.copy().astype(object)
-    for (pp, tp), v in values.stack().items():
-        text.loc[pp, tp] = f"{_si(v)}\ndp{int(dps.loc[pp, tp])}"
-    sns.heatmap(values, ax=ax, annot=text.fillna(""), fmt="", cmap="viridis", vmin=0, vmax=vmax, cbar=False,
+    text = pd.DataFrame("", index=values.index, columns=values.columns)
+    for r in best.itertuples():
+        text.loc[r.pp, r.tp] = f"{_si(r.tokens_per_s)}\ndp{int(r.dp)}" if pd.notna(r.dp) else _si(r.tokens_per_s)
+    sns.heatmap(values, ax=ax, annot=text, fmt="", cmap="viridis", vmin=0, vmax=vmax, cbar=False,
                 linewidths=1, linecolor="white", annot_kws={"fontsize": 9})
     ax.invert_yaxis()
     ax.set(title=title, xlabel="tp (tensor-parallel size)", ylabel="pp (pipeline stages)")
@@ -147,7 +147,8 @@ def memory_breakdown(df: pd.DataFrame):
     bars = {"measured": measured}
     if have_pred:
         bars["predicted"] = pred_cols
-    fig = _stacked_pairs(configs, bars, unit=MiB, xlabel="MiB per rank (max over ranks)",
+    unit, name = byte_unit(configs, [c for cols in bars.values() for c in cols.values() if c])
+    fig = _stacked_pairs(configs, bars, unit=unit, xlabel=f"{name} per rank (max over ranks)",
                          legend_names={"activations": "activations (measured: step peak)"})
     note = "" if have_pred else "  — no predictions in these rows (pred_* columns absent)"
     fig.suptitle(f"Memory per rank: measured vs predicted{note}", fontweight="bold", fontsize=11)
@@ -168,11 +169,22 @@ def comm_breakdown(df: pd.DataFrame):
         ok[c] = pd.to_numeric(ok[c], errors="coerce")
     configs = _top_configs(per_config(ok, cols))
     bars = {"measured": measured, **({"predicted": predicted} if have_pred else {})}
-    fig = _stacked_pairs(configs, bars, unit=MiB, xlabel="MiB per optimizer step (payload, mean over ranks)",
+    unit, name = byte_unit(configs, cols)
+    fig = _stacked_pairs(configs, bars, unit=unit, xlabel=f"{name} per optimizer step (payload, mean over ranks)",
                          legend_names={d: f"{d} group" for d in measured})
     note = "" if have_pred else "  — no predictions in these rows (pred_comm_bytes_* absent)"
     fig.suptitle(f"Communication per step by group: measured vs predicted{note}", fontweight="bold", fontsize=11)
     return fig
+
+
+def byte_unit(configs: pd.DataFrame, columns) -> tuple[float, str]:
+    """The binary unit that keeps the largest stacked bar between 1 and 1024."""
+    totals = sum(pd.to_numeric(configs[c], errors="coerce").fillna(0) for c in columns if c in configs)
+    largest = float(np.max(totals)) if len(configs) and not isinstance(totals, int) else 0.0
+    for unit, name in ((2**30, "GiB"), (MiB, "MiB"), (2**10, "KiB")):
+        if largest >= unit:
+            return unit, name
+    return 1, "bytes"
 
 
 def _top_configs(configs: pd.DataFrame) -> pd.DataFrame:
@@ -196,7 +208,7 @@ def _stacked_pairs(configs: pd.DataFrame, bars: dict[str, dict], unit: float, xl
                     label=legend_names.get(part, part) if b == 0 else None)
             left += values
         for yi, total in zip(y, left):
-            ax.text(total, yi, f" {total:.2f} {source}", va="center", fontsize=7.5, color="0.25")
+            ax.text(total, yi, f" {total:.3g} {source}", va="center", fontsize=7.5, color="0.25")
     ax.set_yticks(np.arange(n), configs["label"])
     ax.set_xlabel(xlabel)
     ax.margins(x=0.18)
@@ -232,9 +244,11 @@ def bubble_curve(df: pd.DataFrame):
         runs["pred_bubble_fraction"] = pd.to_numeric(runs["pred_bubble_fraction"], errors="coerce")
         ax.scatter(runs["micro_batches"], runs["pred_bubble_fraction"], facecolors="none", edgecolors="0.2",
                    s=110, label="predicted")
-    ax.set(xscale="log", xlabel="micro-batches per step (m)", ylabel="bubble fraction (idle / step time)",
-           ylim=(0, 1), xlim=(0.8, m_max * 2.2))
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xscale("log", base=2)
+    ticks = [2**k for k in range(int(math.log2(m_max)) + 1)]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set(xlabel="micro-batches per step (m)", ylabel="bubble fraction (idle / step time)",
+           ylim=(0, 1), xlim=(0.8, m_max * 3.5))
     ax.legend(fontsize=8, loc="upper right")
     why = "" if measured else "\n(no measured bubble_fraction in these rows: only the theory is drawn)"
     ax.set_title(f"Pipeline bubble vs micro-batches per schedule{why}", fontsize=11)

@@ -73,6 +73,7 @@ def _tables(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str]]:
 
 
 # --- HTML ---------------------------------------------------------------------------------------
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"  # the page can fetch nothing
 CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;background:#f6f7f9;color:#1d2330}
 header{background:#1d2330;color:#fff;padding:22px 36px}header h1{margin:0 0 6px;font-size:24px}
@@ -100,6 +101,7 @@ def _html(summary: dict, panels: list[dict], sections) -> str:
         note_html = f'<p class="caption">{html.escape(note)}</p>' if note else ""
         body.append(f'<section id="{anchor}"><h2>{html.escape(title)}</h2>{note_html}{content}</section>')
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>parabench report</title>"
+            f"<meta http-equiv='Content-Security-Policy' content=\"{CSP}\">"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'><style>{CSS}</style></head>"
             f"<body>{''.join(body)}</main></body></html>")
 

@@ -1,0 +1,137 @@
+"""bench report on real runs: files, tables, empty panels that say why, and the page in a real browser."""
+import json
+import re
+import shutil
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from bench.report.render import build_report
+from bench.results import failure_row
+from browser import chromium, probe, screenshot
+from report_runs import CONFIGS, FAILING, result_sets
+
+FIGURES = ("throughput_heatmap", "backend_comparison", "memory_breakdown", "comm_breakdown")
+
+
+@pytest.fixture(scope="module")
+def sets(pools, tmp_path_factory):
+    return result_sets(pools, tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture(scope="module")
+def report(sets, tmp_path_factory):
+    from click.testing import CliRunner
+
+    from bench.report.commands import report as report_command
+    out = tmp_path_factory.mktemp("report")
+    result = CliRunner().invoke(report_command, [str(sets["baseline"]), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_report_files_and_tables(report):
+    assert sorted(p.stem for p in (report / "figures").glob("*.png")) == sorted(FIGURES)
+    page, md = (report / "index.html").read_text(), (report / "report.md").read_text()
+    assert page.count("data:image/png;base64,") == len(FIGURES)
+    assert not re.search(r'(src|href)="https?:', page)  # self-contained: nothing to fetch
+    for name in FIGURES:
+        assert f"](figures/{name}.png)" in md
+    # no pipeline run in the set: the bubble panel says so instead of drawing nothing
+    assert "No figure: no successful pipeline run (pp &gt; 1)" in page
+    assert "> No figure: no successful pipeline run (pp > 1)" in md
+    # dp2 (global batch 4) has a single-process twin (dp1 with 2 micro-batches): losses agree
+    assert re.search(r"\| native tp1·pp1·dp2 \| \w+ \| native tp1·pp1·dp1 m2 \| [\d.]+ \| [\d.]+ \| [\de.+-]+ \| ✓ \|", md)
+    assert "| failed | native tp1·pp1·dp2 fault=raise |" in md and "injected fault (fault=raise)" in md
+    assert "| torch | 2." in md and "| device | cpu |" in md
+    top = md.split("## Top configs by throughput")[1].split("##")[0]
+    assert top.count("| native") == 3 and "±" in top  # three configs, repeats give a spread
+
+
+@pytest.mark.skipif(chromium() is None, reason="needs the Debian package chromium (apt-get install chromium)")
+def test_report_renders_in_headless_chromium(report):
+    shot = report / "screenshot.png"
+    done = screenshot(report / "index.html", shot, height=5200)
+    assert shot.exists(), done.stderr[-2000:]
+    pixels = __import__("matplotlib.image", fromlist=["imread"]).imread(shot)
+    assert pixels.shape[:2] == (5200, 1280) and pixels[..., :3].std() > 0.05  # not a blank page
+    found, console = probe(report / "index.html")
+    assert found == {"images": len(FIGURES), "broken": 0, "widths": found["widths"], "errors": []}, found
+    assert all(w > 500 for w in found["widths"])
+    assert console == [], console
+
+
+def test_report_of_one_run(sets, tmp_path):
+    one = next((sets["baseline"] / "runs").glob(f"{CONFIGS[-1].run_id}.json"))
+    index = build_report([one], tmp_path)
+    page = index.read_text()
+    assert "1 runs of 1 configs" in page and page.count("data:image/png") == len(FIGURES)
+    assert "No single-process reference run (world size 1)" in page
+
+
+def test_report_with_missing_metrics_says_why(sets, tmp_path):
+    rows = [json.loads(p.read_text()) for p in (sets["baseline"] / "runs").glob("*.json")]
+    failed = next(r for r in rows if r["status"] == "failed")
+    skipped = failure_row(FAILING.replace(tp=4, dp=1, fault="none"), "skipped", "backend native: tp=4 needs 4 ranks")
+    stripped = {k: v for k, v in next(r for r in rows if r["status"] == "ok").items()
+                if not k.startswith(("comm_", "tokens", "params_", "peak_mem", "bubble", "loss"))}
+    index = build_report(pd.DataFrame([failed, skipped, stripped]), tmp_path / "partial")
+    page = index.read_text()
+    assert "data:image/png" not in page
+    for reason in ("no successful run with a tokens_per_s measurement",
+                   "no successful run with measured model-state bytes",
+                   "no successful multi-rank run with communication counts",
+                   "no successful pipeline run", "No successful run with a step time"):
+        assert reason in page, reason
+    assert "backend native: tp=4 needs 4 ranks" in page and "injected fault" in page
+    only_failures = build_report(pd.DataFrame([failed, skipped]), tmp_path / "failures").read_text()
+    assert "1 failed" in only_failures and "1 skipped" in only_failures
+
+
+def hundred_configs(rows: list[dict]) -> pd.DataFrame:
+    """100 distinct configs built from real rows: the measured columns of a real run, scaled, under
+    the identity of another layout / backend (a rendering load test, not a measurement)."""
+    rng = np.random.default_rng(0)
+    ok = [r for r in rows if r["status"] == "ok"]
+    variants = [("native", 0, None), ("native", 1, None), ("deepspeed", 0, None), ("deepspeed", 3, None),
+                ("fsdp", 0, "full"), ("fsdp", 0, "grad-op")]
+    out = []
+    for i in range(100):
+        backend, zero, fsdp = variants[i % len(variants)]
+        tp, pp = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)][(i // len(variants)) % 6]
+        dp = [1, 2][i // 36 % 2]
+        row = dict(ok[i % len(ok)])
+        scale = float(rng.uniform(0.5, 2.0))
+        row.update(run_id=f"synthetic{i:03d}", config_id=f"synthetic{i:03d}", backend=backend, zero=zero,
+                   fsdp=fsdp, tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp, micro_batches=[1, 2, 4, 8][i % 4],
+                   schedule=["1f1b", "gpipe"][i % 2], tokens_per_s=row["tokens_per_s"] * scale,
+                   step_time_s=row["step_time_s"] / scale,
+                   comm_bytes_tp=row["comm_bytes_dp"] * (tp > 1), comm_bytes_pp=4096.0 * (pp > 1),
+                   bubble_fraction=(pp - 1) / (row["micro_batches"] + pp - 1) * scale if pp > 1 else None)
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def test_report_of_a_hundred_configs(sets, tmp_path):
+    rows = [json.loads(p.read_text()) for p in (sets["baseline"] / "runs").glob("*.json")]
+    start = time.monotonic()
+    page = build_report(hundred_configs(rows), tmp_path).read_text()
+    assert page.count("data:image/png") == len(FIGURES) + 1  # the bubble panel too: pp > 1 rows
+    assert "100 runs of 100 configs" in page
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.slow
+def test_report_of_a_hundred_real_runs(pools, tmp_path):
+    from bench.config import RunConfig
+    from report_runs import write_rows
+    configs = [RunConfig(model="tiny", dp=dp, micro_batches=m, seed=s, steps=2, warmup=0)
+               for dp in (1, 2) for m in (1, 2) for s in range(25)]
+    out = write_rows([pools(c.world).run(c) for c in configs], tmp_path / "runs")
+    page = build_report([out], tmp_path / "report").read_text()
+    assert "100 runs of 100 configs" in page and page.count("data:image/png") == len(FIGURES)
+    if chromium():
+        found, console = probe(tmp_path / "report" / "index.html")
+        assert found["broken"] == 0 and not console
