@@ -120,6 +120,8 @@ def _compare_config(b: pd.DataFrame, c: pd.DataFrame, exact_cols, thresholds, de
     for metric in exact_cols:
         if metric in b_ok and metric in c_ok:
             j = judge(b_ok[metric], c_ok[metric], exact=True)
+            if j.base is None and j.current is None:
+                continue  # the metric does not apply to this config (e.g. a prediction it has none of)
             rows.append({**info, "metric": metric, "kind": "exact", "gated": True, "threshold": 0.0, **asdict(j)})
     for metric, (higher, _unit) in NOISY.items():
         if metric in b_ok and metric in c_ok:
@@ -132,7 +134,8 @@ def _compare_config(b: pd.DataFrame, c: pd.DataFrame, exact_cols, thresholds, de
 
 
 def _exact_columns(base: pd.DataFrame, current: pd.DataFrame) -> list[str]:
-    preds = sorted(c for c in set(base.columns) | set(current.columns) if c.startswith("pred_"))
+    preds = sorted(c for c in set(base.columns) | set(current.columns)
+                   if c.startswith("pred_") and c != "pred_error")  # pred_error: why a prediction is absent
     return [c for c in (*EXACT, *preds) if c in base.columns or c in current.columns]
 
 
