@@ -39,6 +39,11 @@ def _common(cfg: "RunConfig", name: str, zero: tuple[int, ...], fsdp_ok: bool = 
 def _native(cfg: "RunConfig") -> str | None:
     if cfg.pp > 1 and cfg.model_config.tie_embeddings:
         return "backend native: pp > 1 with tie_embeddings is not supported; untie the embeddings"
+    if cfg.virtual_stages > 1 and cfg.pp == 1:
+        return (f"backend native: virtual_stages ({cfg.virtual_stages}) > 1 needs pp > 1 "
+                "(interleaving spreads model chunks over pipeline ranks)")
+    if cfg.recompute == "selective":
+        return "backend native: recompute selective is not supported; use none or full"
     return _common(cfg, "native", (0, 1))
 
 
