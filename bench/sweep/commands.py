@@ -16,8 +16,10 @@ COMMANDS: list[click.Command] = []
               help="override the sweep file's launcher")
 @click.option("--profile", default=None, help="Slurm profile (slurm/profiles/NAME.yaml) for --launcher slurm")
 @click.option("--exclusive", is_flag=True, help="Slurm: whole nodes per job (--exclusive), for timed runs")
+@click.option("--max-parallel", type=click.IntRange(min=1), default=None,
+              help="Slurm: at most N runs of a job array at once (overrides the profile)")
 @click.option("--no-progress", is_flag=True, help="no live progress bar or per-run log lines")
-def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, no_progress):
+def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, max_parallel, no_progress):
     """Run every configuration of a sweep FILE; one row per run in OUT/runs/, all rows in OUT/results.parquet.
 
     A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled."""
@@ -31,15 +33,17 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
         load_profile(profile or spec.launcher.profile or "local",
                      spec.launcher.options if spec.launcher.kind == "slurm" else {}, source="--profile", prefix="")
     out = Path(out or Path("results") / spec.name)
-    exp = plan(spec, make_launcher(spec, out, launcher, profile, exclusive))  # every error before any launch
+    launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
+    exp = plan(spec, launch)  # every error before any launch
     console = Console(highlight=False, width=max(Console().width, 140))
     if dry_run:
-        table, counts = dry_run_table(spec, exp, launcher)
+        table, counts = dry_run_table(spec, exp, launch)
         console.print(table)
         console.print(counts)
         return
     result = run_sweep(spec, out, launcher=launcher, profile=profile, resume=resume or retry_failed,
-                       retry_failed=retry_failed, exclusive=exclusive, progress=not no_progress)
+                       retry_failed=retry_failed, exclusive=exclusive, max_parallel=max_parallel,
+                       progress=not no_progress)
     from bench.sweep.store import load_results
     df = load_results(out)
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
@@ -52,7 +56,8 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
 @click.command("results")
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--quiet", is_flag=True, help="no table, only the counts")
-def results(path, quiet):
+@click.option("--overhead", is_flag=True, help="also print the launch overhead per launcher and world size")
+def results(path, quiet, overhead):
     """Load a sweep's rows (folder or parquet), check the schema, write OUT/results.parquet, print a summary."""
     from rich.console import Console
 
@@ -64,6 +69,10 @@ def results(path, quiet):
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
     if not quiet:
         console.print(summary_table(rows, f"{path}: {len(rows)} row(s)"))
+    if overhead:
+        from bench.sweep.runner import launch_overhead
+        console.print("launch overhead: wall time per run, launch → row (s); work_s = the run's own steps")
+        console.print(launch_overhead(df).to_string(index=False))
     counts = {s: int((df["status"] == s).sum()) for s in STATUSES}
     console.print(print_counts(counts) + (f"   → {path / 'results.parquet'}" if path.is_dir() else ""))
 

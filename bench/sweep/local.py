@@ -38,9 +38,13 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _rank_main(rank: int, world: int, tasks: mp.Queue, results: mp.Queue) -> None:
+def _rank_main(rank: int, world: int, tasks: mp.Queue, results: mp.Queue, log: str | None = None) -> None:
     """Body of one rank process: run configs from `tasks` until told to stop."""
     _die_with_parent()
+    if log:  # a sweep keeps the terminal for its progress; library chatter goes to the log
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import torch
     torch.set_num_threads(1)  # N ranks on 2 cores: more threads only oversubscribe
@@ -56,8 +60,10 @@ def _rank_main(rank: int, world: int, tasks: mp.Queue, results: mp.Queue) -> Non
 
 
 class RankPool:
-    def __init__(self, world: int):
+    def __init__(self, world: int, log: str | os.PathLike | None = None):
+        """`log`: a file that receives the ranks' stdout and stderr (default: inherited)."""
         self.world = world
+        self.log = str(log) if log else None
         self._procs: list[mp.Process] = []
 
     def _start(self) -> None:
@@ -67,7 +73,7 @@ class RankPool:
         try:
             self._results = ctx.Queue()
             self._tasks = [ctx.Queue() for _ in range(self.world)]
-            self._procs = [ctx.Process(target=_rank_main, args=(r, self.world, self._tasks[r], self._results),
+            self._procs = [ctx.Process(target=_rank_main, args=(r, self.world, self._tasks[r], self._results, self.log),
                                        daemon=True, name=f"bench-rank{r}") for r in range(self.world)]
             for p in self._procs:
                 p.start()

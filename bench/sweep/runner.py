@@ -26,7 +26,9 @@ class LocalLauncher:
 
     kind = "local"
 
-    def __init__(self):
+    def __init__(self, log: Path | None = None):
+        self.log = log
+        """Where the ranks' stdout/stderr go (the terminal shows the sweep's progress)."""
         self.pools: dict[int, object] = {}
 
     def unsupported(self, cfg: RunConfig) -> str | None:
@@ -37,7 +39,11 @@ class LocalLauncher:
         from bench.sweep.local import RankPool
         left = {w: sum(c.world == w for c in runs) for w in {c.world for c in runs}}
         for cfg in runs:
-            pool = self.pools.get(cfg.world) or self.pools.setdefault(cfg.world, RankPool(cfg.world))
+            if cfg.world not in self.pools:
+                if self.log:
+                    self.log.parent.mkdir(parents=True, exist_ok=True)
+                self.pools[cfg.world] = RankPool(cfg.world, log=self.log)
+            pool = self.pools[cfg.world]
             started(cfg)
             t0 = time.monotonic()
             row = pool.run(cfg)
@@ -73,10 +79,10 @@ class DebugLauncher:
 
 
 def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: str | None = None,
-                  exclusive: bool = False):
+                  exclusive: bool = False, max_parallel: int | None = None):
     kind = kind or spec.launcher.kind
     if kind == "local":
-        return LocalLauncher()
+        return LocalLauncher(log=out / "ranks.log")
     if kind == "debug":
         return DebugLauncher()
     from bench.sweep.slurm import SlurmLauncher, load_profile
@@ -84,6 +90,8 @@ def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: 
     prof = load_profile(profile or spec.launcher.profile or "local", options, source=spec.source)
     if exclusive:
         prof = replace(prof, exclusive=True)
+    if max_parallel:
+        prof = replace(prof, max_parallel=max_parallel)
     return SlurmLauncher(prof, out, spec.name, {"sweep": spec.name, "launcher": "slurm"})
 
 
@@ -119,10 +127,10 @@ def plan(spec: SweepSpec, launch) -> Expansion:
 
 def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, profile: str | None = None,
               resume: bool = False, retry_failed: bool = False, exclusive: bool = False,
-              progress: bool = True) -> SweepOutcome:
+              max_parallel: int | None = None, progress: bool = True) -> SweepOutcome:
     t_start = time.monotonic()
     out = Path(out)
-    launch = make_launcher(spec, out, launcher, profile, exclusive)
+    launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
     exp = plan(spec, launch)
     store = ResultStore(out)
     stored = store.statuses()
@@ -259,7 +267,7 @@ def _varying(rows: list[dict]) -> list[str]:
     return list(ALWAYS) + [n for n in names if len({str(r.get(n)) for r in rows}) > 1]
 
 
-def dry_run_table(spec: SweepSpec, exp: Expansion, launcher_kind: str | None = None):
+def dry_run_table(spec: SweepSpec, exp: Expansion, launch=None):
     from rich.markup import escape
     from rich.table import Table
     rows = [{**c.to_row(), "status": "planned", "error": ""} for c in exp.runs] + exp.skipped
@@ -272,8 +280,15 @@ def dry_run_table(spec: SweepSpec, exp: Expansion, launcher_kind: str | None = N
         table.add_row(str(i), row["run_id"], *(_cell(row.get(c)) for c in columns), status,
                       escape(row.get("error") or ""))
     worlds = sorted({c.world for c in exp.runs})
+    kind = launch.kind if launch is not None else spec.launcher.kind
     counts = (f"{len(exp.runs)} run(s) to launch, {len(exp.skipped)} skipped, {exp.excluded} excluded, "
-              f"{exp.duplicates} duplicate(s); world sizes {worlds or '-'}; launcher {launcher_kind or spec.launcher.kind}")
+              f"{exp.duplicates} duplicate(s); world sizes {worlds or '-'}; launcher {kind}")
+    if kind == "slurm":
+        p = launch.profile
+        shapes = sorted({p.shape(c) for c in exp.runs})
+        counts += (f" (profile {p.name}: " + ", ".join(f"{n} node(s) × {t} task(s)" for n, t in shapes)
+                   + f"; one job per run, arrays of ≤ {p.max_parallel} at once"
+                   + (", --exclusive" if p.exclusive else "") + ")")
     return table, counts
 
 
@@ -307,3 +322,28 @@ def _cell(value) -> str:
 
 def print_counts(counts: dict, file=sys.stdout) -> str:
     return " · ".join(f"{s} {counts.get(s, 0)}" for s in STATUSES)
+
+
+def launch_overhead(df):
+    """Per launcher and world size, what launching a run costs: the wall time of its runs as the sweep
+    process saw it (launch → row). Use trivial runs (sweeps/overhead.yaml: one step of the tiny model),
+    whose own work is the `work_s` column (warmup + steps + the counted step at the median step time).
+    `cold` is the first run of a world size in the sweep (a local pool starting: interpreter + imports),
+    `warm` the median of the later ones (a warm pool: new port and process groups only). Every Slurm
+    run is a fresh job: `queue_s` is submit → seen running, `start_to_row_s` running → row (task start-up,
+    imports, process groups, the run, result files)."""
+    import pandas as pd
+    ok = df[df.status == "ok"].sort_values("time")
+    rows = []
+    for (launcher, world), group in ok.groupby(["launcher", "world_size"], sort=True):
+        walls = group.wall_s.astype(float)
+        rows.append({"launcher": launcher, "world_size": int(world), "runs": len(group),
+                     "cold_s": round(float(walls.iloc[0]), 2),
+                     "warm_s": round(float(walls.iloc[1:].median()), 2) if len(group) > 1 and launcher != "slurm"
+                     else None,
+                     "median_s": round(float(walls.median()), 2),
+                     "work_s": round(float(((group.warmup + group.steps + 1) * group.step_time_s).median()), 3),
+                     **({"queue_s": round(float(group.queue_s.median()), 2),
+                         "start_to_row_s": round(float((walls - group.queue_s).median()), 2)}
+                        if "queue_s" in group and group.queue_s.notna().any() else {})})
+    return pd.DataFrame(rows)

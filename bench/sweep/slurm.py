@@ -205,12 +205,13 @@ class SlurmLauncher:
                     continue
                 state = t.state()
                 if not t.started and state not in ("PENDING", "UNKNOWN", "READY", "REQUEUED"):
-                    t.started = True
+                    t.started = time.monotonic()
                     started(t.cfg)
                 row = t.outcome(state)
                 if row is not None:
                     t.collected = True
                     row["wall_s"] = time.monotonic() - t.submitted
+                    row["queue_s"] = (t.started - t.submitted) if t.started else None
                     finished(t.cfg, row)
             time.sleep(self.profile.poll_s)
 
@@ -223,7 +224,8 @@ class _Tracked:
     cfg: RunConfig
     job: object
     submitted: float
-    started: bool = False
+    started: float = 0.0
+    """monotonic time the job was first seen running (0: not yet)"""
     collected: bool = False
 
     def state(self) -> str:

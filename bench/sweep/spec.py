@@ -434,6 +434,12 @@ def skipped_row(params: dict, reason: str) -> dict:
     from bench.environment import environment
     row = {name: _default(f) for name, f in RUN_FIELDS.items()}
     row.update(params)
+    if row.get("seq") is None:
+        try:
+            from bench.config import model_config
+            row["seq"] = model_config(row["model"], tuple(row.get("model_overrides") or ())).seq_len
+        except (ConfigError, ValueError, TypeError):
+            pass
     if row.get("dp") == "auto":
         row["dp"] = None  # unresolved: the world size does not divide
     row = {k: (json.dumps(list(v)) if isinstance(v, (tuple, list)) else v) for k, v in row.items()}
