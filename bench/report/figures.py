@@ -64,7 +64,10 @@ def throughput_heatmap(df: pd.DataFrame):
     panels = sorted(configs.groupby(["variant", "dp"] if by_dp else "variant").groups)
     ncols = min(4, len(panels))
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols + 1.2, 3.3 * nrows + 0.6), squeeze=False,
+    cell = 1.15  # inches per heatmap cell, whatever the grid size
+    width = max(2.6, cell * configs["tp"].nunique() + 1.0)
+    height = max(2.2, cell * configs["pp"].nunique() + 0.9)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols + 1.4, height * nrows + 0.5), squeeze=False,
                              layout="constrained")
     vmax = configs["tokens_per_s"].max()
     for ax, panel in zip(axes.flat, panels):
@@ -72,7 +75,8 @@ def throughput_heatmap(df: pd.DataFrame):
         sub = configs[configs["variant"] == panel[0]]
         if by_dp:
             sub = sub[sub["dp"] == panel[1]]
-        _heatmap_panel(ax, sub, vmax, title=panel[0] + (f", dp={panel[1]}" if by_dp else ""))
+        _heatmap_panel(ax, sub, vmax, title=panel[0] + (f", dp={panel[1]}" if by_dp else ""),
+                       tps=sorted(configs["tp"].unique()), pps=sorted(configs["pp"].unique()))
     for i, ax in enumerate(axes.flat):
         ax.set_visible(i < len(panels))
         if i % ncols:
@@ -82,14 +86,21 @@ def throughput_heatmap(df: pd.DataFrame):
     return fig
 
 
-def _heatmap_panel(ax, sub: pd.DataFrame, vmax: float, title: str) -> None:
+def _heatmap_panel(ax, sub: pd.DataFrame, vmax: float, title: str, tps: list, pps: list) -> None:
+    """One backend's grid; every panel spans the same tp and pp values (a blank cell: not run / no data)."""
     best = sub.sort_values("tokens_per_s").groupby(["pp", "tp"]).tail(1)  # best option set per cell
-    values = best.pivot(index="pp", columns="tp", values="tokens_per_s")
+    values = best.pivot(index="pp", columns="tp", values="tokens_per_s").reindex(index=pps, columns=tps)
+    values = values.astype(float)
     text = pd.DataFrame("", index=values.index, columns=values.columns)
     for r in best.itertuples():
         text.loc[r.pp, r.tp] = f"{_si(r.tokens_per_s)}\ndp{int(r.dp)}" if pd.notna(r.dp) else _si(r.tokens_per_s)
     sns.heatmap(values, ax=ax, annot=text, fmt="", cmap="viridis", vmin=0, vmax=vmax, cbar=False,
                 linewidths=1, linecolor="white", annot_kws={"fontsize": 9})
+    for (i, pp) in enumerate(values.index):
+        for (j, tp) in enumerate(values.columns):
+            if pd.isna(values.loc[pp, tp]):
+                ax.text(j + 0.5, i + 0.5, "not run", ha="center", va="center", fontsize=8, color="0.55")
+    ax.grid(False)
     ax.invert_yaxis()
     ax.set(title=title, xlabel="tp (tensor-parallel size)", ylabel="pp (pipeline stages)")
 
@@ -105,22 +116,21 @@ def backend_comparison(df: pd.DataFrame):
     ok["mem_mib"] = sum(pd.to_numeric(ok[c], errors="coerce").fillna(0) for c in mem_cols) / MiB if mem_cols else np.nan
     worlds = sorted(ok["world_size"].unique())[-4:]  # the largest four world sizes
     hue_order = sorted(ok["variant"].unique())
-    fig, axes = plt.subplots(2, len(worlds), figsize=(max(6.0, 4.2 * len(worlds)), 7.2), squeeze=False)
-    for col, world in enumerate(worlds):
+    n_layouts = ok.groupby("world_size")["layout"].nunique().max()
+    fig, axes = plt.subplots(len(worlds), 2, figsize=(max(11.0, 2.2 * n_layouts + 6), 3.6 * len(worlds) + 0.8),
+                             squeeze=False, layout="constrained")
+    for row, world in enumerate(worlds):
         sub = ok[ok["world_size"] == world].sort_values("layout")
-        for row, (y, label) in enumerate((("tokens_k", "thousand tokens/s"),
-                                         ("mem_mib", "peak memory per rank (MiB)"))):
+        for col, (y, label) in enumerate((("tokens_k", "thousand tokens/s"), ("mem_mib", "peak memory per rank (MiB)"))):
             ax = axes[row, col]
             sns.barplot(sub, x="layout", y=y, hue="variant", hue_order=hue_order, ax=ax, errorbar=("pi", 100),
-                        capsize=0.15, err_kws={"linewidth": 1.2}, legend=(row == 0 and col == len(worlds) - 1))
-            ax.set(xlabel="layout" if row else "", ylabel=label, title=f"world size {int(world)}" if not row else "")
-            ax.tick_params(axis="x", rotation=30)
-    if axes[0, -1].get_legend():
-        sns.move_legend(axes[0, -1], "upper left", bbox_to_anchor=(1.0, 1.0), title="backend")
+                        capsize=0.15, err_kws={"linewidth": 1.2}, legend=(row == 0 and col == 1))
+            ax.set(xlabel="layout (tp·pp·dp)" if row == len(worlds) - 1 else "", ylabel=label,
+                   title=f"world size {int(world)}: {'throughput' if col == 0 else 'memory'}")
+            ax.tick_params(axis="x", rotation=20)
+    if axes[0, 1].get_legend():
+        sns.move_legend(axes[0, 1], "upper left", bbox_to_anchor=(1.01, 1.0), title="backend")
     fig.suptitle("Backends at equal world size (bars: mean over repeats, whiskers: min–max)", fontweight="bold")
-    fig.text(0.01, 0.005, "memory = model state (params + grads + optimizer) + measured step peak, max over ranks",
-             fontsize=8, color="0.35")
-    fig.tight_layout(rect=(0, 0.02, 1, 0.97))
     return fig
 
 
@@ -210,6 +220,7 @@ def _stacked_pairs(configs: pd.DataFrame, bars: dict[str, dict], unit: float, xl
         for yi, total in zip(y, left):
             ax.text(total, yi, f" {total:.3g} {source}", va="center", fontsize=7.5, color="0.25")
     ax.set_yticks(np.arange(n), configs["label"])
+    ax.grid(axis="y", visible=False)
     ax.set_xlabel(xlabel)
     ax.margins(x=0.18)
     handles, labels = ax.get_legend_handles_labels()

@@ -15,7 +15,9 @@ CAPTIONS = {
                           "(and per dp when a layout ran at several dp). A cell shows the best config of that "
                           "layout (over schedules, micro-batches, …) and its dp.",
     "backend_comparison": "The best config of each backend variant and layout at the same world size. Bars: mean "
-                          "over repeats; whiskers: min–max over repeats (none for single runs).",
+                          "over repeats; whiskers: min–max over repeats (none for single runs). Memory per "
+                          "rank = model state (params + grads + optimizer state) + the measured step peak, max "
+                          "over ranks.",
     "memory_breakdown": "Per rank, max over ranks: measured model state (parameters, gradients, optimizer state) "
                         "plus the measured step peak, beside the analytic prediction (hatched) when the rows carry "
                         "one. The best configs by tokens/s are shown.",
