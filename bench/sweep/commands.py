@@ -19,7 +19,9 @@ COMMANDS: list[click.Command] = []
 @click.option("--max-parallel", type=click.IntRange(min=1), default=None,
               help="Slurm: at most N runs of a job array at once (overrides the profile)")
 @click.option("--no-progress", is_flag=True, help="no live progress bar or per-run log lines")
-def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, max_parallel, no_progress):
+@click.option("--no-report", is_flag=True, help="skip the report even if the sweep file asks for one")
+def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, max_parallel, no_progress,
+          no_report):
     """Run every configuration of a sweep FILE; one row per run in OUT/runs/, all rows in OUT/results.parquet.
 
     A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled."""
@@ -51,6 +53,18 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     console.print(f"this invocation: {print_counts(result.counts)}"
                   + (f" · {result.resumed} resumed" if result.resumed else "")
                   + f"   wall {result.wall_s:.1f} s   → {out}/results.parquet")
+    if spec.report and not no_report:
+        _write_report(out, console)
+
+
+def _write_report(out: Path, console) -> None:
+    """The sweep file asked for a report: write it; a report problem never fails the finished sweep."""
+    try:
+        from bench.report.render import build_report
+        index = build_report([str(out)], out / "report")
+        console.print(f"report: {index}")
+    except Exception as e:  # noqa: BLE001 - the rows are safe on disk; say what went wrong and go on
+        console.print(f"[yellow]report not written[/]: {type(e).__name__}: {e} (rows are in {out})")
 
 
 @click.command("results")

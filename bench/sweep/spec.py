@@ -19,6 +19,7 @@ A sweep file (loaded with `yaml.safe_load`; every key is optional except `grid`)
       - {backend: fsdp, pp: 2}
     repeats: 1                       # runs per config (noise); the `repeat` field tells them apart
     launcher: local                  # local | debug | slurm | {kind: slurm, profile: local, nodes: 2, ...}
+    report: true                     # write the HTML/Markdown report to OUT/report/ after the sweep
 
 Any mistake in the file is a `SweepError` naming the file, the key path and the fix; nothing is
 launched. A combination that the file describes correctly but that cannot run (tp does not divide
@@ -39,7 +40,7 @@ from bench.config import BACKENDS, ConfigError, RunConfig
 from models.config import GPTConfig
 
 TOP_KEYS = ("name", "model", "world_size", "base", "grid", "zip", "backends", "deepspeed", "exclude", "repeats",
-            "launcher")
+            "launcher", "report")
 LAUNCHERS = ("local", "slurm", "debug")
 RUN_FIELDS = {f.name: f for f in fields(RunConfig)}
 # Set by the sweep itself, not by the file: `repeats` makes the repeat index; `model` is top-level or an axis.
@@ -85,6 +86,7 @@ class SweepSpec:
     exclude: tuple[dict, ...]
     repeats: int
     launcher: LauncherSpec
+    report: bool = False
 
 
 @dataclass
@@ -137,13 +139,16 @@ def parse_sweep(data: Any, source: str = "<sweep>", default_name: str = "sweep")
     if not _is_int(repeats) or repeats < 1:
         raise err("repeats", f"must be a positive integer, got {repeats!r}")
     launcher = _parse_launcher(data.get("launcher", "local"), err)
+    report = data.get("report", False)
+    if not isinstance(report, bool):
+        raise err("report", f"must be true or false, got {report!r}")
     uses_auto = grid.get("dp") == "auto" or base.get("dp") == "auto"
     if uses_auto and world_sizes is None and "world_size" not in grid:
         raise err("grid.dp" if grid.get("dp") == "auto" else "base.dp",
                   "dp: auto needs a world size: add a top-level `world_size: N`")
     return SweepSpec(name=name, source=source, model=model, model_overrides=overrides, world_sizes=world_sizes,
                      base=base, grid=grid, zips=zips, backends=backends, ds_set=ds_set, exclude=exclude,
-                     repeats=repeats, launcher=launcher)
+                     repeats=repeats, launcher=launcher, report=report)
 
 
 def _kind(value) -> str:
