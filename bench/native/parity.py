@@ -3,7 +3,8 @@
 `reference(cfg)` trains the whole model in this process on the whole global batch.
 `run_layouts(world, cfgs)` starts `world` gloo processes once and, for each config in turn, builds
 the engine, runs `steps` optimizer steps and returns the global mean loss of every step plus the
-step-1 gradient of every parameter, reassembled from its tp shards and pipeline stages on rank 0.
+step-1 gradient of every parameter, reassembled from its tp shards and pipeline stages on rank 0,
+and the communication of one more step counted as the worker counts it (averaged over ranks).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from bench.backends.base import make_optimizer
 from bench.data import global_batch
+from bench.metrics.comm import CommCounter
 from models import build_model, loss_fn
 
 
@@ -79,7 +81,13 @@ def _one_layout(cfg, steps: int) -> dict:
         losses.append(_global_loss(trainer.train_step(step)))
         if step == 0 and not cfg.zero:
             grads = full_gradients(trainer, groups)
-    return {"losses": losses, "grads": grads}
+    with CommCounter(dim_of=groups.dim_of) as counter:  # as the worker counts: one extra step
+        trainer.train_step(steps)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, counter.totals())
+    keys = {k for c in every for k in c}
+    comm = {k: sum(c.get(k, 0) for c in every) / len(every) for k in keys}  # averaged over ranks
+    return {"losses": losses, "grads": grads, "comm": comm}
 
 
 def _rank_main(rank: int, world: int, port: int, cfgs: list[dict], steps: int, out) -> None:
