@@ -69,6 +69,7 @@ def test_stage_layers_split_evenly_and_cover_the_model():
     (dict(backend="fsdp", pp=2, micro_batches=1, schedule="1f1b"), r"schedule 1f1b needs micro_batches ≥ pp"),
     (dict(backend="fsdp", pp=2, micro_batches=2, model_overrides=("tie_embeddings=true",)), r"tie_embeddings"),
     (dict(backend="ddp", fsdp="full"), r"fsdp='full' applies to backend fsdp only"),
+    (dict(backend="fsdp", recompute="selective"), r"backend fsdp: recompute selective is not supported"),
 ])
 def test_bad_options_are_rejected_in_validation(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -119,6 +120,13 @@ def test_fsdp_gradient_accumulation_reduces_once(pools, reference):
     row = run_ok(pools, backend="fsdp", fsdp="full", dp=2, micro_batch=1, micro_batches=2)
     assert_parity(row, reference)
     assert row["comm_dp_reduce_scatter_bytes"] == P * F32  # not once per micro-batch
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "ddp"])
+def test_recompute_full_keeps_parity_and_traffic(pools, reference, backend):
+    row = run_ok(pools, backend=backend, dp=2, micro_batch=2, recompute="full")
+    assert_parity(row, reference)
+    assert row["comm_bytes_dp"] == (P if backend == "ddp" else ROOT + 2 * L * BLOCK + P) * F32
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "ddp"])

@@ -3,6 +3,7 @@
 Every rank holds the whole model (built from the shared init, so no broadcast is needed for
 parity, though DDP still broadcasts once at construction). Gradients are all-reduced once per step
 in buckets of `bucket_mb` MiB; micro-batches before the last accumulate locally under `no_sync`.
+recompute=full checkpoints every block.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ class DDPTrainer(Trainer):
         self.ctx = ctx
         cfg = ctx.cfg
         self.model = build_model(cfg.model_config, cfg.seed, ctx.device)
+        if cfg.recompute == "full":
+            from bench.backends.fsdp import apply_recompute
+            apply_recompute(self.model)
         self.ddp = DistributedDataParallel(self.model, process_group=ctx.groups.dp, bucket_cap_mb=cfg.bucket_mb,
                                            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         self.optimizer = make_optimizer(self.model.parameters())

@@ -1,6 +1,6 @@
 """`fsdp`: PyTorch FSDP2 (`fully_shard`) on the shared GPT, with DTensor TP and torch pipelining.
 
-Applied in the fixed order TP → PP → DP (torchtitan-style), on one DeviceMesh built from our Layout:
+Applied in the fixed order TP → PP → (recompute) → DP (torchtitan-style), on one DeviceMesh built from our Layout:
 - TP: `parallelize_module` on the mesh's tp dim: qkv and fc1 Colwise, proj and fc2 Rowwise (the fused
   qkv is laid out (heads, 3, head_dim), so a contiguous Colwise shard is whole heads). Embedding,
   norms and LM head stay replicated over tp (their grads are identical on every tp rank).
@@ -14,6 +14,7 @@ Applied in the fixed order TP → PP → DP (torchtitan-style), on one DeviceMes
              capped so at least 2 replicas remain (`sharded_init.hybrid_shape`)
     none     FSDP2's `replicate` (DDP semantics on FSDP2's machinery): no sharding, one gradient
              all-reduce per block group, the DDP-equivalent baseline inside this backend
+  recompute=full checkpoints every block (composable `checkpoint`, which keeps parameter names).
   bf16-mixed = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 compute and all-gathers,
   fp32 gradient reduction and fp32 master shards.
 """
@@ -76,6 +77,13 @@ def apply_tp(chunk: nn.Module, tp_mesh) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
+def apply_recompute(chunk: nn.Module) -> None:
+    """Recompute each block's activations in backward (composable checkpoint: names unchanged)."""
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+    for block in blocks_of(chunk):
+        checkpoint(block)
+
+
 def apply_dp(chunk: nn.Module, strategy: str, dp_mesh, mp_policy) -> None:
     """Shard (or replicate) each block as its own communication group, then the rest at the root."""
     if strategy == "none":
@@ -108,6 +116,8 @@ class FSDPTrainer(Trainer):
         for chunk in self.chunks:
             if cfg.tp > 1:
                 apply_tp(chunk, self.mesh["tp"])
+            if cfg.recompute == "full":
+                apply_recompute(chunk)
             apply_dp(chunk, cfg.fsdp, dp_mesh, mp)
             materialize(chunk, cfg.model_config, cfg.seed, ctx.device)
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)

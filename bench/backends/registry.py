@@ -50,10 +50,14 @@ def _native(cfg: "RunConfig") -> str | None:
 def _ddp(cfg: "RunConfig") -> str | None:
     if cfg.tp > 1 or cfg.pp > 1:
         return f"backend ddp is data parallel only: needs tp = pp = 1, got tp={cfg.tp}, pp={cfg.pp}"
+    if cfg.recompute == "selective":
+        return "backend ddp: recompute selective is not supported; use none or full"
     return _common(cfg, "ddp", (0,))
 
 
 def _fsdp(cfg: "RunConfig") -> str | None:
+    if cfg.recompute == "selective":
+        return "backend fsdp: recompute selective is not supported; use none or full"
     if cfg.sequence_parallel:
         return "backend fsdp: sequence_parallel is not supported (native engine only)"
     if cfg.fsdp == "hybrid" and cfg.dp < 2:
