@@ -248,3 +248,27 @@ def test_dry_run_prints_the_table_and_counts():
     assert done.returncode == 0, done.stderr
     assert "16 run(s) to launch, 0 skipped" in done.stdout and "launcher slurm" in done.stdout
     assert not (ROOT / "results" / "paper-3d").exists()
+
+
+def test_resume_skips_stored_runs_and_retry_failed_reruns_only_the_failed(tmp_path):
+    """In-process (debug launcher, world 1): resume launches nothing stored; --retry-failed reruns failures."""
+    from bench.sweep.runner import run_sweep
+    saved = dict(os.environ)
+    try:
+        spec = load_sweep(_write(tmp_path / "d.yaml", """
+name: debug-retry
+base: {steps: 1, warmup: 0}
+grid: {seed: [0, 1], fault: [none, raise]}
+launcher: debug
+"""))
+        first = run_sweep(spec, tmp_path / "out", progress=False)
+        assert first.counts["ok"] == 2 and first.counts["failed"] == 2
+        failed_ids = {r["run_id"] for r in first.rows if r["status"] == "failed"}
+        again = run_sweep(spec, tmp_path / "out", resume=True, progress=False)
+        assert again.resumed == 4 and again.rows == []
+        retry = run_sweep(spec, tmp_path / "out", retry_failed=True, progress=False)
+        assert retry.resumed == 2 and {r["run_id"] for r in retry.rows} == failed_ids
+        assert len(load_results(tmp_path / "out")) == 4
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
