@@ -41,6 +41,11 @@ def test_regression_must_exceed_the_noise_of_the_repeats():
     assert judge([100.0], [90.0, 130.0, 160.0], exact=False).verdict == "ok"
 
 
+def test_small_absolute_changes_stay_under_the_floor():
+    assert judge([0.004], [0.009], exact=False, floor=0.02).verdict == "ok"  # bubble +125 %, +0.5 points
+    assert judge([0.10], [0.15], exact=False, floor=0.02).verdict == "regressed"
+
+
 def test_missing_values_are_no_data_not_a_verdict():
     assert judge([float("nan")], [1.0], exact=False).verdict == "no data"
     assert judge([], [1.0], exact=True).verdict == "no data"

@@ -8,7 +8,8 @@ groups rows (repeats of a config share `config_id`) and formats the verdicts.
 * noisy metrics (step time, tokens/s, measured peak memory, measured bubble) regress only when the
   current median is worse than the baseline median by more than the threshold (default 5 %) AND by
   more than the noise: the larger spread (max − min) of the two sides' repeats. One run per side has
-  no spread, so it compares by the threshold alone.
+  no spread, so it compares by the threshold alone. (Measured memory and bubble also have a small
+  absolute floor, below which a change is not a regression: see NOISY.)
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ from bench.report.labels import config_label
 
 DEFAULT_THRESHOLD = 0.05
 
-# name: (kind, higher_is_better, unit)
+# name: (higher_is_better, floor): a change smaller than the floor (in the metric's unit) never counts —
+# the CPU memory probe reads whole pages of RSS, and a bubble of 0.4 % vs 0.9 % is no pipeline regression.
 NOISY = {
-    "step_time_s": (False, "s"),
-    "tokens_per_s": (True, "tokens/s"),
-    "peak_mem_bytes": (False, "B"),
-    "bubble_fraction": (False, ""),
+    "step_time_s": (False, 0.0),
+    "tokens_per_s": (True, 0.0),
+    "peak_mem_bytes": (False, 2.0**20),
+    "bubble_fraction": (False, 0.02),
 }
 EXACT = ("params", "params_bytes", "grads_bytes", "optimizer_bytes", "persistent_bytes",
          *(f"comm_{what}_{dim}" for what in ("bytes", "wire_bytes", "ops") for dim in ("tp", "pp", "dp")))
@@ -45,7 +47,7 @@ class Judgement:
 
 
 def judge(base, current, *, exact: bool, higher_is_better: bool = False,
-          threshold: float = DEFAULT_THRESHOLD) -> Judgement:
+          threshold: float = DEFAULT_THRESHOLD, floor: float = 0.0) -> Judgement:
     """Verdict for one metric of one config from the baseline's and the current repeats' values."""
     base = [float(v) for v in base if _finite(v)]
     current = [float(v) for v in current if _finite(v)]
@@ -57,7 +59,7 @@ def judge(base, current, *, exact: bool, higher_is_better: bool = False,
         same = math.isclose(b, c, rel_tol=1e-9, abs_tol=1e-9)
         return Judgement("equal" if same else "changed", b, c, change, 0.0, 0.0)
     noise = max(_spread(base), _spread(current))
-    limit = max(threshold * abs(b), noise)
+    limit = max(threshold * abs(b), noise, floor)
     worse_by = (b - c) if higher_is_better else (c - b)  # > 0: current is worse
     verdict = "regressed" if worse_by > limit else "improved" if -worse_by > limit else "ok"
     return Judgement(verdict, b, c, change, noise, limit)
@@ -123,10 +125,11 @@ def _compare_config(b: pd.DataFrame, c: pd.DataFrame, exact_cols, thresholds, de
             if j.base is None and j.current is None:
                 continue  # the metric does not apply to this config (e.g. a prediction it has none of)
             rows.append({**info, "metric": metric, "kind": "exact", "gated": True, "threshold": 0.0, **asdict(j)})
-    for metric, (higher, _unit) in NOISY.items():
+    for metric, (higher, floor) in NOISY.items():
         if metric in b_ok and metric in c_ok:
             threshold = thresholds.get(metric, default)
-            j = judge(b_ok[metric], c_ok[metric], exact=False, higher_is_better=higher, threshold=threshold)
+            j = judge(b_ok[metric], c_ok[metric], exact=False, higher_is_better=higher, threshold=threshold,
+                      floor=floor)
             if j.verdict != "no data":
                 rows.append({**info, "metric": metric, "kind": "noisy", "gated": not exact_only,
                              "threshold": threshold, **asdict(j)})

@@ -35,9 +35,11 @@ def fmt_change(row: dict) -> str:
 
 
 def fmt_noise(row: dict) -> str:
+    """How much worse the metric may get: the threshold, or the repeats' noise when that is larger."""
     if row["kind"] != "noisy":
         return ""
-    return f"limit {fmt_value(row['metric'], row['limit'])} (noise {fmt_value(row['metric'], row['noise'])})"
+    limit = fmt_value(row["metric"], row["limit"])
+    return limit + (" (noise)" if row["noise"] and row["noise"] >= row["limit"] else "")
 
 
 def shown_rows(comparison: Comparison) -> list[dict]:
@@ -59,12 +61,12 @@ def headline(comparison: Comparison) -> str:
 def print_terminal(comparison: Comparison) -> None:
     from rich.console import Console
     from rich.table import Table
-    console = Console(width=max(140, Console().width))
+    console = Console(width=max(150, Console().width), highlight=False)
     for note in comparison.notes:
         console.print(f"[yellow]note:[/] {note}")
     table = Table(title="bench compare", show_lines=False, header_style="bold")
-    for col in ("config", "metric", "baseline", "current", "change", "threshold / noise", "verdict"):
-        table.add_column(col, no_wrap=col in ("metric", "change"))
+    for col in ("config", "metric", "baseline", "current", "change", "allowed", "verdict"):
+        table.add_column(col, no_wrap=True)
     for r in shown_rows(comparison):
         verdict = r["verdict"] + ("" if r["gated"] or r["verdict"] in ("ok", "equal") else " (not gated)")
         table.add_row(r["label"], r["metric"], fmt_value(r["metric"], r["base"]),
