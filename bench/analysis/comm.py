@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from bench.analysis.memory import block_params_local, hybrid_shard, precision, sharding, stage_params
-from bench.analysis.params import fsdp_groups, native_buckets, numel, padded_numel, stage_chunk_params
+from bench.analysis.params import fsdp_group_sizes, native_buckets, numel, stage_chunk_params
 from bench.analysis.schedule import chunk_layers, stage_chunks
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
@@ -194,7 +194,7 @@ def _deepspeed_zero3(cfg, stage: int, grad_b: int, param_b: int) -> list[Traffic
     again for backward every micro-batch; gradients reduce-scattered every micro-batch; an 8-byte
     overflow check. (Verified on the tiny model, whose parameters are all persistent.)"""
     threshold = DS_PERSISTENCE_THRESHOLD
-    for entry in cfg.ds_set:
+    for entry in getattr(cfg, "ds_set", ()):
         key, _, value = entry.partition("=")
         if key.strip() == "zero_optimization.stage3_param_persistence_threshold":
             threshold = float(value)
@@ -242,12 +242,14 @@ def _fsdp_dp(cfg, stage: int, grad_b: int, param_b: int, gpus_per_node: int | No
     to a multiple of the shard count. Micro-batches before the last skip the gradient sync, so the
     reduce-scatter (and HSDP's all-reduce) runs once per step; the all-gathers: `_fsdp_gathers`."""
     mode, mb = cfg.fsdp or "full", cfg.micro_batches
-    groups = fsdp_groups(cfg.model_config, cfg.tp, cfg.pp, cfg.virtual_stages, stage)
+    m = cfg.model_config
     if mode == "none":  # FSDP2 replicate: one gradient all-reduce per group
-        total = sum(numel(s) for _, ps in groups for _, s, _ in ps) * grad_b
+        groups = fsdp_group_sizes(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage, 1)
+        total = sum(n for _, n in groups) * grad_b
         return [Traffic("dp", "all_reduce", total / len(groups), len(groups), cfg.dp, "gradients", "step")]
     shard = hybrid_shard(cfg, gpus_per_node) if mode == "hybrid" else cfg.dp
-    sizes = [(kind, sum(padded_numel(s, shard) for _, s, _ in ps)) for kind, ps in groups]
+    sizes = fsdp_group_sizes(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage, shard)
+    groups = sizes
     counts = [_fsdp_gathers(kind, mode, mb, cfg.pp) for kind, _ in sizes]
     gathered = sum(n * c for (_, n), c in zip(sizes, counts))
     total = sum(n for _, n in sizes)

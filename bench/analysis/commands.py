@@ -52,8 +52,10 @@ def layout(gpus_per_node, rack_size, as_json, **options):
 @click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the hardware's)")
 @_MIXED
 @_ACTS
+@click.option("--any-engine", is_flag=True,
+              help="check only the layout and model (what Megatron-LM could run), not this suite's backends")
 @click.option("--json", "as_json", is_flag=True, help="print every predicted figure as one JSON object")
-def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, as_json, **options):
+def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_engine, as_json, **options):
     """Predict per-rank memory, communication per step, bubble, FLOPs (and time) of one config.
 
     Takes the same flags as `bench run`; impossible configs are refused with RunConfig's reason."""
@@ -63,12 +65,34 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, as_jso
         est = estimate_params(n_params, options["dp"] or 1, int(options["zero"] or 0),
                               options["dtype"] or "bf16-mixed", mixed_state)
     else:
-        cfg = config_from_options(options)
+        cfg = _shape_from_options(options) if any_engine else config_from_options(options)
         est = predict(cfg, hardware, gpus_per_node, mixed_state, activations)
     if as_json:
         echo_json(est)
         return
     _print_estimate(est)
+
+
+def _shape_from_options(options: dict):
+    """The run's fields with RunConfig's defaults, checked by RunConfig's layout and model rules only."""
+    from dataclasses import fields
+
+    from bench.analysis.estimate import Shape
+    from bench.analysis.planner import structural_reason
+    from bench.config import ConfigError, RunConfig
+    from models.config import get_preset
+    defaults = {f.name: f.default for f in fields(RunConfig) if f.name in {g.name for g in fields(Shape)}}
+    given = {k: v for k, v in options.items() if v is not None and v != () and k in defaults}
+    values = {**defaults, **given, "zero": int(given.get("zero", 0))}
+    values["seq"] = values["seq"] or get_preset(values["model"]).seq_len
+    if values["backend"] == "fsdp" and values["fsdp"] is None:
+        values["fsdp"] = "full"
+    values.pop("model_overrides", None)
+    shape = Shape(**values)
+    reason = structural_reason(shape)
+    if reason:
+        raise ConfigError(reason)
+    return shape
 
 
 def _print_estimate(est: dict) -> None:
@@ -108,16 +132,19 @@ def _print_estimate(est: dict) -> None:
 @click.option("--top", type=int, default=5, show_default=True, help="configs to print")
 @click.option("--memory-fraction", type=float, default=0.9, show_default=True,
               help="share of device memory a config may use")
+@click.option("--engines", type=click.Choice(["suite", "any"]), default="suite", show_default=True,
+              help="suite: configs this suite's backends run (RunConfig's validator); any: every config a "
+                   "complete engine could run (layout and model checks only)")
 @_MIXED
 @_ACTS
 @click.option("--json", "as_json", is_flag=True, help="a list of configs, best first (RunConfig fields + predictions)")
-def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, memory_fraction, mixed_state,
+def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, memory_fraction, engines, mixed_state,
          activations, as_json):
     """Rank every valid (tp, pp, dp, sharding, schedule, micro-batch, order) config by predicted throughput."""
     from bench.analysis.planner import describe
     from bench.analysis.planner import plan as make_plan
     result = make_plan(model, gpus, gpus_per_node, hardware, global_batch, seq, top, dtype, mixed_state,
-                       activations, memory_fraction)
+                       activations, memory_fraction, engines)
     if as_json:
         echo_json(result.configs)
         return

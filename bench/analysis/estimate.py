@@ -161,10 +161,15 @@ def predict_time(cfg, hw: Hardware, gpus_per_node: int | None = None, mixed_stat
         msg = next(tr for tr in traffic[0] if tr.kind == "send").payload
         pp = 2 * (v * m + p - 1) * (links["pp"][1] + msg / links["pp"][0])
     bubble = (compute + tp) * (bubble_over_ideal(p, m, cfg.schedule, v) if p > 1 else 0.0)
-    dp_total = busiest("dp")
-    per_mb = any(tr.per == "micro-batch" for s in traffic for tr in traffic[s] if tr.dim == "dp")
-    hidden = compute if per_mb else compute / m * 2 / 3  # behind the last micro-batch's backward
-    dp = max(0.0, dp_total - hidden)
+    def dp_time(per):
+        return max(sum(op_time(tr, *links["dp"][:2]) * tr.ops for tr in traffic[s]
+                       if tr.dim == "dp" and tr.per == per) for s in traffic)
+
+    # ZeRO-3/FSDP gathers run every micro-batch, prefetched behind its compute; the once-per-step
+    # gradient reduction overlaps only the backward of the last micro-batch (2/3 of its compute).
+    dp_mb, dp_step = dp_time("micro-batch"), dp_time("step")
+    dp_total = dp_mb + dp_step
+    dp = max(0.0, dp_mb - compute) + max(0.0, dp_step - compute / m * 2 / 3)
     step = compute + tp + pp + bubble + dp
     model_flops = model_flops_per_step(cfg)
     return {"hardware": hw.name, "step_time_s": step, "compute_s": compute, "bubble_s": bubble,

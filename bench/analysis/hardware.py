@@ -87,7 +87,7 @@ def dtype_key(dtype: str) -> str:
 
 # --- user profiles (YAML) ------------------------------------------------------------------------
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
-           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
 def parse_quantity(value, key: str) -> float:

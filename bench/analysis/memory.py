@@ -113,9 +113,8 @@ def root_params_local(m: GPTConfig, tp: int) -> float:
 # --- sharding ------------------------------------------------------------------------------------
 def fsdp_stage_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, shard: int) -> float:
     """Parameters one rank stores under FSDP2: each one's dim 0 padded to a multiple of `shard`, ÷ shard."""
-    from bench.analysis.params import fsdp_groups, padded_numel
-    groups = fsdp_groups(m, tp, pp, virtual_stages, stage)
-    return sum(padded_numel(s, shard) for _, ps in groups for _, s, _ in ps) / shard
+    from bench.analysis.params import fsdp_group_sizes
+    return sum(n for _, n in fsdp_group_sizes(m, tp, pp, virtual_stages, stage, shard)) / shard
 
 
 def sharding(cfg) -> tuple[str, int]:
@@ -135,7 +134,7 @@ def hybrid_shard(cfg, gpus_per_node: int | None = None) -> int:
     """FSDP hybrid (bench.backends.sharded_init.hybrid_shape): the largest divisor of dp below dp
     that fits the dp ranks of one node (all of them when `gpus_per_node` is None: one machine)."""
     per_node = cfg.dp if gpus_per_node is None else _dp_ranks_per_node(cfg, gpus_per_node)
-    return max(d for d in range(1, cfg.dp) if cfg.dp % d == 0 and d <= max(per_node, 1))
+    return max((d for d in range(1, cfg.dp) if cfg.dp % d == 0 and d <= max(per_node, 1)), default=1)
 
 
 def _dp_ranks_per_node(cfg, gpus_per_node: int) -> int:

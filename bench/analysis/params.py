@@ -125,3 +125,11 @@ def padded_numel(shape: tuple[int, ...], shards: int) -> int:
     """FSDP2 pads dim 0 of every parameter to a multiple of the shard count."""
     dim0 = -(-shape[0] // shards) * shards
     return dim0 * numel(shape[1:])
+
+
+@lru_cache(maxsize=65536)
+def fsdp_group_sizes(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int,
+                     shard: int) -> tuple[tuple[str, int], ...]:
+    """(kind, padded element count) of every FSDP2 group of a stage, sharded `shard` ways."""
+    return tuple((kind, sum(padded_numel(s, shard) for _, s, _ in ps))
+                 for kind, ps in fsdp_groups(m, tp, pp, virtual_stages, stage))

@@ -43,25 +43,48 @@ class Plan:
 
 
 def _validation_key(s: Shape) -> tuple:
-    """The fields RunConfig's validator reads (micro_batches only through m mod pp)."""
-    return (s.backend, s.tp, s.pp, s.dp >= 2, s.zero, s.fsdp, s.schedule, s.virtual_stages,
-            s.micro_batches % s.pp == 0, s.sequence_parallel, s.dtype, s.seq)
+    """The fields RunConfig's validator reads: every field but the micro-batch size, with dp and
+    micro_batches only through the comparisons the checks make (dp ≥ 2; m vs pp)."""
+    return (s.backend, s.tp, s.pp, s.dp >= 2, s.zero, s.fsdp, s.schedule, s.virtual_stages, s.order,
+            s.micro_batches % s.pp == 0, s.micro_batches >= s.pp, s.sequence_parallel, s.recompute, s.dtype, s.seq)
+
+
+ENGINES = ("suite", "any")
+"""suite: what this suite's backends can run (RunConfig's whole validator); any: what a complete
+engine such as Megatron-LM could run (RunConfig's layout and model checks, no backend checks)."""
+
+
+def structural_reason(s) -> str | None:
+    """RunConfig's own layout/model/pipeline checks without the backend support checks."""
+    from bench.config import ConfigError, _validate_model_fit, _validate_pipeline
+    try:
+        _validate_model_fit(s)
+        _validate_pipeline(s)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 class _Validator:
-    def __init__(self):
-        self.cache: dict[tuple, str | None] = {}
+    def __init__(self, engines: str = "suite"):
+        if engines not in ENGINES:
+            raise ValueError(f"engines is {engines!r}; choose one of {', '.join(ENGINES)}")
+        self.engines, self.cache = engines, {}
 
     def __call__(self, s: Shape) -> str | None:
         key = _validation_key(s)
         if key not in self.cache:
-            from bench.config import ConfigError, RunConfig
-            try:
-                RunConfig(**{f.name: getattr(s, f.name) for f in fields(Shape)})
-                self.cache[key] = None
-            except ConfigError as e:
-                self.cache[key] = str(e)
+            self.cache[key] = structural_reason(s) if self.engines == "any" else _run_config_reason(s)
         return self.cache[key]
+
+
+def _run_config_reason(s: Shape) -> str | None:
+    from bench.config import ConfigError, RunConfig
+    try:
+        RunConfig(**{f.name: getattr(s, f.name) for f in fields(Shape)})
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def _sharding_what(backend: str, zero: int, fsdp: str | None) -> str:
@@ -108,9 +131,11 @@ def candidates(model: str, gpus: int, global_batch: int, seq: int, dtype: str, g
 
 def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, global_batch: int,
          seq: int | None = None, top: int = 5, dtype: str = "bf16-mixed", mixed_state: str = "zero",
-         activations: str = "table2", memory_fraction: float = 0.9) -> Plan:
+         activations: str = "table2", memory_fraction: float = 0.9, engines: str = "suite") -> Plan:
     """Rank every valid config by predicted tokens/s. A config fits when its per-rank total is at
-    most `memory_fraction` of the device memory (the rest: CUDA context, allocator, workspaces)."""
+    most `memory_fraction` of the device memory (the rest: CUDA context, allocator, workspaces).
+    `engines`: see ENGINES (with "any", backend names only label the sharding: native = ZeRO 0/1,
+    deepspeed = ZeRO 2/3, fsdp = FSDP2 modes)."""
     hw = get_hardware(hardware)
     cfg_model = get_preset(model)
     seq = seq or cfg_model.seq_len
@@ -119,7 +144,7 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     limit = hw.memory_bytes * memory_fraction
-    validate, dropped, seen = _Validator(), Counter(), set()
+    validate, dropped, seen = _Validator(engines), Counter(), set()
     considered = valid = 0
     results = []
     for shape, skip in candidates(model, gpus, global_batch, seq, dtype, gpus_per_node):
@@ -129,7 +154,7 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
             continue
         reason = validate(shape)
         if reason:
-            dropped["invalid: " + re.sub(r"\d+", "N", reason)] += 1
+            dropped["invalid: " + re.sub(r"\b\d+\b", "N", reason)] += 1
             continue
         key = (shape.tp, shape.pp, shape.schedule, shape.virtual_stages, shape.micro_batch, shape.sequence_parallel,
                shape.recompute, shape.order, _sharding_what(shape.backend, shape.zero, shape.fsdp))
