@@ -135,3 +135,22 @@ def test_report_of_a_hundred_real_runs(pools, tmp_path):
     if chromium():
         found, console = probe(tmp_path / "report" / "index.html")
         assert found["broken"] == 0 and not console
+
+
+@pytest.mark.parametrize("case", ["missing", "empty-folder", "foreign", "broken"])
+def test_report_bad_input_is_one_clear_line(case, tmp_path, capsys, monkeypatch):
+    import sys
+
+    from bench.cli import main
+    target = {"missing": tmp_path / "nope", "empty-folder": tmp_path, "foreign": tmp_path / "f.parquet",
+              "broken": tmp_path / "b.parquet"}[case]
+    if case == "foreign":
+        pd.DataFrame({"x": [1]}).to_parquet(target)
+    if case == "broken":
+        target.write_bytes(b"PAR1 not really")
+    monkeypatch.setattr(sys, "argv", ["bench", "report", str(target), "-o", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error:") and str(target) in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
