@@ -60,6 +60,8 @@ def test_new_missing_and_failed_configs():
     assert not result.regressed
     failed = compare(rows(["a"]), rows(["a"], status="failed"))
     assert failed.regressed and failed.rows[0]["verdict"] == "failed" and failed.rows[0]["error"] == "boom"
+    skipped = compare(rows(["a"]), rows(["a"], status="skipped"))
+    assert not skipped.regressed and skipped.rows[0]["verdict"] == "skipped"
     with pytest.raises(ValueError, match="noisy metrics are"):
         compare(rows(["a"]), rows(["a"]), thresholds={"step_tim_s": 0.1})
 

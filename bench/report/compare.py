@@ -114,6 +114,8 @@ def _compare_config(b: pd.DataFrame, c: pd.DataFrame, exact_cols, thresholds, de
         return []  # failing or skipped on both sides: nothing measured to compare
     if c_ok.empty or b_ok.empty:
         verdict = "failed" if c_ok.empty else "fixed"
+        if c_ok.empty and (c["status"] == "skipped").all():
+            verdict = "skipped"  # now refused by a support check: less coverage, said, not a failure
         error = _first_error(c if c_ok.empty else b)
         return [{**info, "metric": "status", "kind": "status", "verdict": verdict, "gated": verdict == "failed",
                  "base": _statuses(b), "current": _statuses(c), "change": None, "noise": None, "limit": None,

@@ -8,7 +8,7 @@ from bench.report.compare import Comparison
 from bench.report.render import markdown_table
 
 COLOURS = {"regressed": "bold red", "changed": "bold red", "failed": "bold red", "improved": "green",
-           "fixed": "green", "ok": "", "equal": "dim", "no data": "yellow"}
+           "fixed": "green", "ok": "", "equal": "dim", "no data": "yellow", "skipped": "yellow"}
 
 
 def fmt_value(metric: str, value) -> str:
