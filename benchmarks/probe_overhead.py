@@ -1,0 +1,92 @@
+"""Probe overhead on the native engine: step time with the probes off, with the timed-step probes on
+(step timer, peak-memory probe, pipeline busy/idle meter), and under the communication counter
+(which the worker only ever runs on a separate, untimed step).
+
+Variants alternate step by step, so load on the machine hits them alike; medians are reported.
+
+    .venv/bin/python benchmarks/probe_overhead.py --pp 2 --micro-batches 4 --rounds 15
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+
+def _rank(rank: int, world: int, port: int, cfg_dict: dict, rounds: int, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    from bench.backends.base import RunContext
+    from bench.config import RunConfig
+    from bench.distributed import ProcessGroups
+    from bench.layout import Layout
+    from bench.metrics.comm import CommCounter
+    from bench.metrics.memory import PeakMemory
+    from bench.metrics.timer import StepTimer
+    from bench.native.engine import NativeTrainer
+    cfg = RunConfig.from_dict(cfg_dict)
+    dist.init_process_group("gloo")
+    groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
+    trainer = NativeTrainer(RunContext(cfg, groups, torch.device("cpu")))
+    metered = cfg.warmup  # a step index the trainer meters; 0 is never metered when warmup > 0
+    for step in range(2):
+        trainer.train_step(0)
+    times = {"off": [], "probes": [], "counter": []}
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        trainer.train_step(0)
+        times["off"].append(time.perf_counter() - t0)
+        dist.barrier()
+        timer = StepTimer(torch.device("cpu"))
+        with PeakMemory(torch.device("cpu")), timer:
+            trainer.train_step(metered)
+        times["probes"].append(timer.times[0])
+        dist.barrier()
+        t0 = time.perf_counter()
+        with CommCounter(dim_of=groups.dim_of):
+            trainer.train_step(0)
+        times["counter"].append(time.perf_counter() - t0)
+    slowest = [None] * world
+    dist.all_gather_object(slowest, times)
+    if rank == 0:
+        out.put({k: [max(t[k][i] for t in slowest) for i in range(rounds)] for k in times})
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+    from bench.config import RunConfig
+    from bench.sweep.local import free_port
+    cfg = RunConfig(model=args.model, tp=args.tp, pp=args.pp, dp=args.dp, micro_batches=args.micro_batches)
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank, args=(r, cfg.world, port, cfg.to_dict(), args.rounds, out))
+             for r in range(cfg.world)]
+    for p in procs:
+        p.start()
+    times = out.get(timeout=1800)
+    for p in procs:
+        p.join()
+    base = statistics.median(times["off"])
+    print(f"model {args.model} tp={args.tp} pp={args.pp} dp={args.dp} m={args.micro_batches}, "
+          f"{args.rounds} rounds, median step (slowest rank):")
+    for name, label in (("off", "probes off"), ("probes", "timer + peak memory + bubble meter"),
+                        ("counter", "communication counter (untimed step only)")):
+        med = statistics.median(times[name])
+        print(f"  {label:<44}{med * 1e3:>9.2f} ms  {100 * (med / base - 1):+6.1f} %")
+
+
+if __name__ == "__main__":
+    main()
