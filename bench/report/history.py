@@ -111,7 +111,7 @@ def plot(points: pd.DataFrame, flagged: list[int], metric: str, title: str, out:
     fig.autofmt_xdate()
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    fig.savefig(out, bbox_inches="tight")
     plt.close(fig)
     return out
 
