@@ -206,8 +206,10 @@ def _deepspeed_zero3(cfg, stage: int, grad_b: int, param_b: int) -> list[Traffic
     if kept:
         out.append(Traffic("dp", "all_gather", sum(kept) * param_b / len(kept), len(kept), cfg.dp,
                            "persistent parameters", "step"))
-    if parted:
-        out.append(Traffic("dp", "all_gather", parted * param_b, 2 * mb, cfg.dp, "partitioned parameters"))
+    if parted:  # gathered module by module: one group per block (+ the rest)
+        groups = _stage_shape(cfg, stage)[0] + 1
+        out.append(Traffic("dp", "all_gather", parted * param_b / groups, 2 * mb * groups, cfg.dp,
+                           "partitioned parameters"))
     out += [Traffic("dp", "reduce_scatter", sum(params) * grad_b, mb, cfg.dp, "gradients"),
             Traffic("dp", "all_reduce", 2 * FP32, 1, cfg.dp, "overflow check", "step")]
     return out
