@@ -137,6 +137,8 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     if stored and not (resume or retry_failed):
         raise ValueError(f"{out} already holds {len(stored)} run row(s); add --resume to skip the finished runs "
                          "(--retry-failed to rerun the failed ones too), or choose another --out")
+    if hasattr(launch, "check_ready"):
+        launch.check_ready()
     out.mkdir(parents=True, exist_ok=True)
     source = Path(spec.source)
     if source.is_file() and source.resolve() != (out / "sweep.yaml").resolve():

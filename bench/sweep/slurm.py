@@ -148,6 +148,14 @@ class SlurmLauncher:
     def unsupported(self, cfg: RunConfig) -> str | None:
         return self.profile.unsupported(cfg)
 
+    def check_ready(self) -> None:
+        """Fail before anything is written when this machine cannot submit (and watch) Slurm jobs."""
+        import shutil
+        missing = [tool for tool in ("sbatch", "srun", "sacct", "scancel") if shutil.which(tool) is None]
+        if missing:
+            raise ValueError(f"the slurm launcher needs {', '.join(missing)} on PATH (no Slurm here?); start the "
+                             "local test cluster with slurm/local-cluster/start.sh, or use --launcher local")
+
     def _executor(self, cfg: RunConfig, count: int):
         import submitit
 

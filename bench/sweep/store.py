@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -96,7 +97,7 @@ class ResultStore:
         """Write one row atomically: a reader (or a resumed sweep) sees the whole row or none."""
         self.runs.mkdir(parents=True, exist_ok=True)
         path = self.runs / f"{row['run_id']}.json"
-        tmp = self.runs / f".{row['run_id']}.{os.getpid()}.tmp"
+        tmp = self.runs / f".{row['run_id']}.{socket.gethostname()}.{os.getpid()}.tmp"  # unique per writer
         with open(tmp, "w") as f:
             json.dump({"SCHEMA_VERSION": SCHEMA_VERSION, **row}, f, default=str, allow_nan=True)
             f.flush()
