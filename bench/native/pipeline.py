@@ -92,26 +92,50 @@ def schedule(name: str, m: int, p: int, r: int, v: int) -> list[tuple[str, int, 
     return gpipe(m, p, r) if name == "gpipe" else one_f_one_b(m, p, r)
 
 
-class BubbleMeter:
-    """Busy (compute) and idle (everything else in the pipeline phase) seconds over metered steps."""
+def _grad_group(groups, device):
+    """CUDA only: a second group over the pp ranks for gradients (NCCL matches P2P by order, not tag)."""
+    if device.type != "cuda" or groups.size("pp") == 1:
+        return None
+    import torch.distributed as dist
+    mine = None
+    for ranks in groups.layout.groups("pp"):  # new_group is collective: every rank creates every group
+        group = dist.new_group(ranks)
+        mine = group if groups.rank in ranks else mine
+    return mine
 
-    def __init__(self):
+
+class BubbleMeter:
+    """Busy (compute) and idle (everything else in the pipeline phase) seconds over metered steps.
+
+    On CUDA the device is synchronized around each compute section while metering, so busy time is
+    kernel time, not launch time."""
+
+    def __init__(self, device=None):
         self.busy_s = self.idle_s = 0.0
         self.on, self._step_busy = False, 0.0
+        self._cuda = device is not None and torch.device(device).type == "cuda"
+
+    def _sync(self):
+        if self.on and self._cuda:
+            torch.cuda.synchronize()
 
     @contextmanager
     def step(self, on: bool):
         self.on, self._step_busy = on, 0.0
+        self._sync()
         t0 = time.perf_counter()
         yield
+        self._sync()
         if on:
             self.busy_s += self._step_busy
             self.idle_s += time.perf_counter() - t0 - self._step_busy
 
     @contextmanager
     def compute(self):
+        self._sync()
         t0 = time.perf_counter()
         yield
+        self._sync()
         self._step_busy += time.perf_counter() - t0
 
     @property
@@ -127,9 +151,9 @@ class Pipeline:
         self.chunks, self.cfg, self.device = chunks, run_cfg, device
         self.p, self.r, self.v = groups.size("pp"), groups.coord.pp, len(chunks)
         self.tp_group, self.autocast_dtype = groups.tp, autocast_dtype
-        self.comm = PipeComm(groups.pp, groups.ranks["pp"], self.r)
+        self.comm = PipeComm(groups.pp, groups.ranks["pp"], self.r, _grad_group(groups, device))
         self.order = schedule(run_cfg.schedule, run_cfg.micro_batches, self.p, self.r, self.v)
-        self.meter = BubbleMeter()
+        self.meter = BubbleMeter(device)
         seq = run_cfg.seq // (groups.size("tp") if run_cfg.sequence_parallel else 1)
         self.act_shape = (run_cfg.micro_batch, seq, run_cfg.model_config.hidden)
         self.act_dtype = autocast_dtype or torch.float32

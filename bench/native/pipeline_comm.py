@@ -4,6 +4,9 @@ Sends are asynchronous (isend, waited at the end of the schedule), receives bloc
 waits to send, only for its input, so any schedule whose dependencies form a DAG cannot deadlock.
 Messages are matched by tag: an activation entering model chunk c has tag 2c, a gradient entering
 chunk c has tag 2c + 1; within a tag both sides walk the micro-batches in the same order.
+NCCL ignores tags and matches P2P in posting order per communicator, so on CUDA gradients travel
+on a second group over the same ranks (`grad_group`): activations and gradients never share a
+channel, and within each the order is the same on both sides (interleaved pp = 2 needs this).
 
 Payload per message: one micro-batch's hidden states (b, s, h), or (b, s/tp, h) under sequence
 parallel, in the activation dtype (the autocast dtype under mixed precision).
@@ -15,8 +18,9 @@ import torch.distributed as dist
 
 
 class PipeComm:
-    def __init__(self, group, ranks: list[int], index: int):
+    def __init__(self, group, ranks: list[int], index: int, grad_group=None):
         self.group, self.ranks, self.index, self.size = group, ranks, index, len(ranks)
+        self.grad_group = grad_group or group
         self._sends: list = []
 
     @property
@@ -27,13 +31,16 @@ class PipeComm:
     def prev(self) -> int:
         return self.ranks[(self.index - 1) % self.size]
 
+    def _group(self, tag: int):
+        return self.grad_group if tag % 2 else self.group
+
     def _send(self, x: torch.Tensor, dst: int, tag: int) -> None:
         x = x.detach().contiguous()
-        self._sends.append((dist.isend(x, dst=dst, group=self.group, tag=tag), x))  # keep x alive
+        self._sends.append((dist.isend(x, dst=dst, group=self._group(tag), tag=tag), x))  # keep x alive
 
     def _recv(self, shape, dtype, device, src: int, tag: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=device)
-        dist.irecv(out, src=src, group=self.group, tag=tag).wait()
+        dist.irecv(out, src=src, group=self._group(tag), tag=tag).wait()
         return out
 
     def send_forward(self, act: torch.Tensor, to_chunk: int) -> None:
