@@ -31,6 +31,7 @@ WORLD2 = {  # name → RunConfig fields; global batch 4 unless stated
     "zero3": dict(zero=3, dp=2), "zero3_strict": dict(zero=3, dp=2, ds_set=ZERO3_STRICT + LOGGER),
     "pipe2": dict(pp=2, micro_batches=2), "tp2": dict(tp=2, micro_batch=4),
     "zero2_bf16": dict(zero=2, dp=2, dtype="bf16-mixed"),
+    "zero3_recompute": dict(zero=3, dp=2, recompute="full"), "pipe2_recompute": dict(pp=2, micro_batches=2, recompute="full"),
 }
 
 
@@ -99,6 +100,7 @@ def test_ds_set_overrides_dotted_keys_with_yaml_scalars():
     (dict(ds_set=("train_batch_size=64",)), "contradicts the run's batch"),
     (dict(ds_set=("bf16=true", "bf16.enabled=true")), "'bf16' is True in the generated config, not a section"),
     (dict(pp=2, schedule="gpipe"), "runs 1f1b only"),
+    (dict(recompute="selective"), "recompute selective is not supported"),
     (dict(model_overrides=("tie_embeddings=true",), tp=2), "tie_embeddings"),
 ])
 def test_bad_options_rejected_before_processes_start(kwargs, message):
@@ -117,7 +119,8 @@ def test_deepspeed_topology_has_our_rank_order(order):
 
 
 # --- world 2 --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "zero3_strict", "pipe2", "tp2"])
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "zero3_strict", "pipe2", "tp2",
+                                  "zero3_recompute", "pipe2_recompute"])
 def test_parity_with_the_single_process_reference(rows, reference, name):
     assert_parity(rows[name], reference)
 

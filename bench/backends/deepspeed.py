@@ -154,6 +154,8 @@ class _DeepSpeedTrainer(Trainer):
         self._comms_step: dict = {}
 
     def _initialize(self, model: nn.Module, mpu=None):
+        if self.ctx.cfg.recompute == "full":
+            _recompute_blocks(model)
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
         self.engine, self.optimizer, _, _ = self.ds.initialize(
             model=model, optimizer=optimizer, config=self.config, mpu=mpu, dist_init_required=False)
@@ -214,6 +216,16 @@ class _DeepSpeedTrainer(Trainer):
         self.engine = self.optimizer = self.client_optimizer = None
         self._grads = []
         _release_global_state()
+
+
+def _recompute_blocks(model: nn.Module) -> None:
+    """recompute=full: each block's activations are recomputed in backward (composable checkpoint,
+    parameter names and DeepSpeed's ZeRO-3 hooks unchanged)."""
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+    from models import Block
+    for module in model.modules():
+        if isinstance(module, Block):
+            checkpoint(module)
 
 
 def _comms_counts() -> dict:

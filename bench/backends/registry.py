@@ -83,6 +83,8 @@ def _deepspeed(cfg: "RunConfig") -> str | None:
         return "backend deepspeed: sequence_parallel is not supported (native engine only)"
     if cfg.pp > 1 and cfg.schedule != "1f1b":
         return f"backend deepspeed: its pipeline engine runs 1f1b only, not schedule={cfg.schedule}"
+    if cfg.recompute == "selective":
+        return "backend deepspeed: recompute selective is not supported; use none or full"
     if cfg.tp > 1 and cfg.model_config.tie_embeddings:
         return ("backend deepspeed: tp > 1 with tie_embeddings is not supported (the native TP layers it "
                 "uses shard embedding and head separately); untie the embeddings")
