@@ -10,6 +10,10 @@
   reference and no rank ever holds the whole model.
 - The pipeline is a `PipelineModule` of LayerSpecs over the shared model's own pieces (embedding,
   blocks, norm + head): a stage builds only its layers.
+- Tensor parallel uses the native engine's TP layers (`bench.native.tensor`) inside DeepSpeed's
+  engine, as Megatron-DeepSpeed does; the row's `tp_impl` says so.
+- Persistent bytes are DeepSpeed's own local tensors (flat parameter buffers or ZeRO-3 partitions,
+  fp32 master partitions, optimizer moments, and the gradients it holds at its optimizer step).
 - Warm rank processes: DeepSpeed keeps module-level state (its comm backend `cdb`, cached groups in
   `deepspeed.utils.groups`, the pipeline p2p grid, the comms logger). `cdb` follows
   torch.distributed (its `is_initialized` asks torch, and it holds no group), so it survives the
