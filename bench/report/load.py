@@ -15,14 +15,17 @@ REQUIRED = ("run_id", "status")
 
 
 def load_many(paths) -> pd.DataFrame:
-    """Rows of every result set in `paths`, concatenated (later duplicates of a run_id win)."""
+    """Rows of every result set in `paths`, concatenated. The same row given twice counts once; two
+    measurements of one run (same run_id, other time: e.g. two sweeps of one grid) both stay and pool
+    as repeats of their config (`config_id`)."""
     paths = [Path(p) for p in paths]
     if not paths:
         raise ValueError("no results given; pass sweep output folders or results.parquet files")
     frames = [load_one(p) for p in paths]
     df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     _check_schema_versions(df, paths)
-    return df.drop_duplicates("run_id", keep="last").reset_index(drop=True)
+    key = ["run_id", "time"] if "time" in df.columns else ["run_id"]
+    return df.drop_duplicates(key, keep="last").reset_index(drop=True)
 
 
 def load_one(path: Path) -> pd.DataFrame:
