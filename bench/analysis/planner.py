@@ -171,7 +171,7 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
             continue
         time = predict_time(shape, hw, gpus_per_node, mixed_state, extreme_stages(shape.pp))
         results.append((shape, mem, time))
-    results.sort(key=lambda r: -r[2]["tokens_per_s"])
+    results.sort(key=lambda r: (-round(r[2]["tokens_per_s"], 3), r[1]["total_bytes"]))  # ties: less memory
     return Plan([_row(*r) for r in results[:top]], considered, valid, len(results), dropped)
 
 
