@@ -332,8 +332,8 @@ def launch_overhead(df):
     whose own work is the `work_s` column (warmup + steps + the counted step at the median step time).
     `cold` is the first run of a world size in the sweep (a local pool starting: interpreter + imports),
     `warm` the median of the later ones (a warm pool: new port and process groups only). Every Slurm
-    run is a fresh job: `queue_s` is submit → seen running, `start_to_row_s` running → row (task start-up,
-    imports, process groups, the run, result files)."""
+    run is a fresh job and its wall time counts from the array's submission, so it includes waiting for
+    earlier runs of the array: `sacct -o JobID,Submit,Start,End` gives each job's own start-up time."""
     import pandas as pd
     ok = df[df.status == "ok"].sort_values("time")
     rows = []
@@ -344,8 +344,5 @@ def launch_overhead(df):
                      "warm_s": round(float(walls.iloc[1:].median()), 2) if len(group) > 1 and launcher != "slurm"
                      else None,
                      "median_s": round(float(walls.median()), 2),
-                     "work_s": round(float(((group.warmup + group.steps + 1) * group.step_time_s).median()), 3),
-                     **({"queue_s": round(float(group.queue_s.median()), 2),
-                         "start_to_row_s": round(float((walls - group.queue_s).median()), 2)}
-                        if "queue_s" in group and group.queue_s.notna().any() else {})})
+                     "work_s": round(float(((group.warmup + group.steps + 1) * group.step_time_s).median()), 3)})
     return pd.DataFrame(rows)
