@@ -330,7 +330,7 @@ def _parse_exclude(rules, err) -> tuple[dict, ...]:
         if not isinstance(rule, dict) or not rule:
             raise err(f"exclude[{i}]", f"a rule is a non-empty mapping field: value(s), got {rule!r}")
         parsed = _parse_fields(rule, f"exclude[{i}]", err, allow_lists=True)
-        out.append({k: set(v) if v != "auto" else {"auto"} for k, v in parsed.items()})
+        out.append({k: {_hashable(x) for x in v} if v != "auto" else {"auto"} for k, v in parsed.items()})
     return tuple(out)
 
 
@@ -366,10 +366,10 @@ def expand(spec: SweepSpec) -> Expansion:
             for repeat in range(spec.repeats):
                 params = {**backend_point, "repeat": repeat}
                 params, reason = _resolve(spec, params)
-                if _excluded(spec, params):
+                item = _make(params, reason)
+                if _excluded(spec, item):
                     out.excluded += 1
                     continue
-                item = _make(params, reason)
                 key = item.run_id if isinstance(item, RunConfig) else item["run_id"]
                 if key in seen:
                     out.duplicates += 1
@@ -416,9 +416,17 @@ def _resolve(spec: SweepSpec, params: dict) -> tuple[dict, str | None]:
     return {**params, "dp": world // (tp * pp)}, None
 
 
-def _excluded(spec: SweepSpec, params: dict) -> bool:
-    defaults = {name: _default(f) for name, f in RUN_FIELDS.items()}
-    return any(all(params.get(k, defaults[k]) in allowed for k, allowed in rule.items()) for rule in spec.exclude)
+def _excluded(spec: SweepSpec, item: RunConfig | dict) -> bool:
+    """Rules match the final values (a RunConfig's normalized fields, e.g. fsdp=full by default)."""
+    if isinstance(item, RunConfig):
+        value = lambda k: item.world if k == "world_size" else getattr(item, k)  # noqa: E731
+    else:
+        value = lambda k: item.get(k)  # noqa: E731
+    return any(all(_hashable(value(k)) in allowed for k, allowed in rule.items()) for rule in spec.exclude)
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _default(f):
