@@ -2,40 +2,12 @@
 line and exit 2 (no traceback)."""
 from __future__ import annotations
 
-import json
 import sys
-from dataclasses import fields
 
 import click
 
-from bench.config import ConfigError, RunConfig
-
-
-def config_options(func):
-    """One CLI option per RunConfig field, named and documented by the field itself."""
-    for f in reversed(fields(RunConfig)):
-        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
-        kind = {"int": int, "float": float, "int | None": int, "str | None": str}.get(str(f.type), str)
-        if meta["choices"]:
-            kind = click.Choice([str(c) for c in meta["choices"]])
-        if f.type == "bool":
-            func = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=meta["help"])(func)
-        elif f.type == "tuple":
-            func = click.option(flag, f.name, multiple=True, help=meta["help"])(func)
-        else:
-            func = click.option(flag, f.name, type=kind, default=None, help=meta["help"])(func)
-    return func
-
-
-def config_from_options(options: dict) -> RunConfig:
-    given = {k: v for k, v in options.items() if v is not None and v != ()}
-    if "zero" in given:
-        given["zero"] = int(given["zero"])
-    return RunConfig(**given)
-
-
-def echo_json(obj) -> None:
-    click.echo(json.dumps(obj, default=str, allow_nan=True))
+from bench.cli_options import config_from_options, config_options, echo_json
+from bench.config import ConfigError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from bench.cli import config_from_options, config_options, echo_json
+from bench.cli_options import config_from_options, config_options, echo_json
 
 COMMANDS: list[click.Command] = []
 
