@@ -115,7 +115,9 @@ class RankPool:
                 self.kill()  # the others may wait forever in a collective
                 return failure_row(cfg, classify_error(payload), f"rank {rank} failed:\n{payload}", rank)
             done += 1
-            row = payload if payload is not None else row
+            row = payload if rank == 0 else row
+        if row is None:  # never hand a caller None: the row is the record of the run
+            return failure_row(cfg, "failed", "rank 0 finished without a result row", 0)
         return row
 
     def _wait_ready(self, cfg: RunConfig, limit_s: float = 300.0) -> dict | None:
