@@ -168,7 +168,8 @@ def memory_breakdown(df: pd.DataFrame):
 # --- communication ------------------------------------------------------------------------------
 def comm_breakdown(df: pd.DataFrame):
     ok = ok_runs(df, "tokens_per_s")
-    ok = ok[pd.to_numeric(ok.get("world_size", 1), errors="coerce").fillna(1) > 1] if not ok.empty else ok
+    if not ok.empty and "world_size" in ok:
+        ok = ok[pd.to_numeric(ok["world_size"], errors="coerce").fillna(1) > 1]
     measured = {dim: f"comm_bytes_{dim}" for dim in ("tp", "pp", "dp")}
     if ok.empty or not any(c in ok for c in measured.values()):
         return "no successful multi-rank run with communication counts (comm_bytes_tp/pp/dp)"
@@ -260,7 +261,8 @@ def bubble_curve(df: pd.DataFrame):
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set(xlabel="micro-batches per step (m)", ylabel="bubble fraction (idle / step time)",
            ylim=(0, 1), xlim=(0.8, m_max * 3.5))
-    ax.legend(fontsize=8, loc="upper right")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper right")
     why = "" if measured else "\n(no measured bubble_fraction in these rows: only the theory is drawn)"
     ax.set_title(f"Pipeline bubble vs micro-batches per schedule{why}", fontsize=11)
     fig.tight_layout()

@@ -45,7 +45,10 @@ def build_report(results, out_dir) -> Path:
 
 def _make_figure(df: pd.DataFrame, name: str, out: Path) -> dict:
     title, make = figures.FIGURES[name]
-    result = make(df)
+    try:
+        result = make(df)
+    except Exception as e:  # noqa: BLE001 - one odd panel must not cost the whole report
+        result = f"could not draw it from these rows ({type(e).__name__}: {e})"
     panel = {"name": name, "title": title, "caption": CAPTIONS[name], "png": None, "empty": None}
     if isinstance(result, str):
         panel["empty"] = result
@@ -60,10 +63,8 @@ def _make_figure(df: pd.DataFrame, name: str, out: Path) -> dict:
 
 def _tables(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str]]:
     """(title, table, note) in page order; the note explains the table, or its absence."""
-    parity, parity_note = tables.loss_parity(df)
-    fails = tables.failures(df)
-    top = tables.top_configs(df)
-    env = tables.environment(df)
+    parity, parity_note = _safe(tables.loss_parity, df, default=(pd.DataFrame(), None))
+    fails, top, env = (_safe(make, df) for make in (tables.failures, tables.top_configs, tables.environment))
     return [
         ("Top configs by throughput", top, "No successful run with a step time: nothing to rank." if top.empty else
          "Mean over repeats; ± is half the min–max spread of the repeats."),
@@ -72,6 +73,15 @@ def _tables(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str]]:
          f"{len(fails)} run(s) produced no measurement; the reason is the last line of their error."),
         ("Environment", env, "No environment columns in these rows." if env.empty else ""),
     ]
+
+
+def _safe(make, df: pd.DataFrame, default=None):
+    """A table that cannot be built from these rows is left out, with the reason, instead of failing."""
+    try:
+        return make(df)
+    except Exception as e:  # noqa: BLE001
+        reason = f"could not build it from these rows ({type(e).__name__}: {e})"
+        return (pd.DataFrame(), reason) if default is not None else pd.DataFrame({"note": [reason]})
 
 
 # --- HTML ---------------------------------------------------------------------------------------

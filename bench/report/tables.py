@@ -36,7 +36,7 @@ def top_configs(df: pd.DataFrame, n: int = 10) -> pd.DataFrame:
     return pd.DataFrame({
         "#": range(1, len(cfg) + 1),
         "config": cfg["label"].values,
-        "world": cfg["world_size"].astype(int).values,
+        "world": cfg["world_size"].values if "world_size" in cfg else "–",
         "tokens/s": [f"{v:,.0f}" + (f" ± {spread[k] / 2:,.0f}" if r > 1 else "")
                      for v, k, r in zip(cfg["tokens_per_s"], cfg[key], cfg["repeats"])],
         "step (ms)": [f"{v * 1e3:.1f}" for v in cfg["step_time_s"]],
