@@ -67,7 +67,7 @@ def test_report_of_one_run(sets, tmp_path):
     one = next((sets["baseline"] / "runs").glob(f"{CONFIGS[-1].run_id}.json"))
     index = build_report([one], tmp_path)
     page = index.read_text()
-    assert "1 runs of 1 configs" in page and page.count("data:image/png") == len(FIGURES)
+    assert "1 run of 1 config" in page and page.count("data:image/png") == len(FIGURES)
     assert "No single-process reference run (world size 1)" in page
 
 

@@ -58,7 +58,7 @@ def per_config(ok: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
 def throughput_heatmap(df: pd.DataFrame):
     ok = ok_runs(df, "tokens_per_s", "tp", "pp", "dp")
     if ok.empty:
-        return "no successful run with a tokens_per_s measurement"
+        return "no successful run with a tokens_per_s measurement and its layout (tp, pp, dp)"
     configs = per_config(ok, ["tokens_per_s"])
     by_dp = configs.groupby(["variant", "tp", "pp"])["dp"].nunique().max() > 1
     panels = sorted(configs.groupby(["variant", "dp"] if by_dp else "variant").groups)
@@ -109,7 +109,7 @@ def _heatmap_panel(ax, sub: pd.DataFrame, vmax: float, title: str, tps: list, pp
 def backend_comparison(df: pd.DataFrame):
     ok = ok_runs(df, "tokens_per_s", "world_size")
     if ok.empty:
-        return "no successful run with a tokens_per_s measurement"
+        return "no successful run with a tokens_per_s measurement and its world_size"
     ok = _best_config_runs(ok)
     ok["tokens_k"] = ok["tokens_per_s"] / 1e3
     mem_cols = [c for c in ("persistent_bytes", "peak_mem_bytes") if c in ok]

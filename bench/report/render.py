@@ -126,8 +126,13 @@ def _html_header(summary: dict) -> str:
     best = f"<p>Fastest: <b>{html.escape(summary['best'])}</b></p>" if summary["best"] else ""
     sweeps = f" · sweep {html.escape(', '.join(summary['sweeps']))}" if summary["sweeps"] else ""
     nav = "".join(f'<a href="#{k}">{html.escape(t)}</a>' for k, (t, _) in figures.FIGURES.items())
-    return (f"<header><h1>parabench report</h1><p>{summary['runs']} runs of {summary['configs']} configs{sweeps}"
+    return (f"<header><h1>parabench report</h1><p>{_runs_of_configs(summary)}{sweeps}"
             f"</p><p>{''.join(pills)}</p>{best}<nav>{nav}</nav></header><main>")
+
+
+def _runs_of_configs(summary: dict) -> str:
+    runs, configs = summary["runs"], summary["configs"]
+    return f"{runs} run{'s' * (runs != 1)} of {configs} config{'s' * (configs != 1)}"
 
 
 def _html_figure(panel: dict) -> str:
@@ -158,7 +163,7 @@ def _numeric(value) -> bool:
 # --- Markdown -----------------------------------------------------------------------------------
 def _markdown(summary: dict, panels: list[dict], sections) -> str:
     counts = ", ".join(f"{n} {s}" for s, n in sorted(summary["counts"].items()))
-    lines = ["# parabench report", "", f"{summary['runs']} runs of {summary['configs']} configs ({counts})."]
+    lines = ["# parabench report", "", f"{_runs_of_configs(summary)} ({counts})."]
     if summary["best"]:
         lines += ["", f"Fastest: **{summary['best']}**"]
     for p in panels:
