@@ -80,7 +80,7 @@ def warnings(lay: Layout, rack_size: int | None = None) -> list[str]:
         if dp_inside:
             out.append(f"dp groups stay inside a node (e.g. GPUs {ranges(dp_inside[0])}) while tp crosses nodes: "
                        "the per-layer tp traffic should get the NVLink and the once-per-step dp traffic the "
-                       "network; put tp first in the rank order and lower tp")
+                       f"network; pick tp dividing gpus_per_node ({lay.gpus_per_node})")
     if rack_size and lay.pp > 1:
         pairs = crossing_pp_pairs(lay, rack_size)
         if pairs:
