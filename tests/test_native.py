@@ -129,7 +129,7 @@ def test_schedules_complete_without_deadlock(p, m):
         assert peak == (m if name == "gpipe" else min(p, m))  # 1F1B: at most p micro-batches in flight
 
 
-@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (2, 4, 8)])
+@pytest.mark.parametrize("p,v,m", [(2, 1, 2), (4, 1, 8), (2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (2, 4, 8)])
 def test_interleaved_schedule_completes(p, v, m):
     orders = _orders("interleaved", m, p, v)
     for order in orders:
@@ -250,3 +250,14 @@ def grid() -> dict[int, list[RunConfig]]:
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_parity_full_grid(world):
     check_parity(world, grid()[world])
+
+
+def test_worker_row_has_native_extras_and_reference_loss(pools):
+    one = pools(1).run(RunConfig(micro_batches=2, steps=3, warmup=1))
+    two = pools(2).run(RunConfig(pp=2, micro_batches=2, steps=3, warmup=1, schedule="gpipe"))
+    assert one["status"] == two["status"] == "ok", (one.get("error"), two.get("error"))
+    assert math.isclose(one["loss_last"], two["loss_last"], rel_tol=1e-5)
+    assert two["stage_layers"] == "[[0,1],[2,3]]" and two["tp_impl"] == "native"
+    assert 0 < two["bubble_fraction"] < 1
+    expected = expected_comm(RunConfig(pp=2, micro_batches=2, schedule="gpipe"))
+    assert two["comm_bytes_pp"] == expected["comm_bytes_pp"] and two["comm_ops_pp"] == expected["comm_ops_pp"]
