@@ -30,10 +30,8 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     from bench.sweep.runner import dry_run_table, make_launcher, plan, print_counts, run_sweep, summary_table
     from bench.sweep.spec import load_sweep
     spec = load_sweep(file)
-    if launcher == "slurm" or profile:
-        from bench.sweep.slurm import load_profile
-        load_profile(profile or spec.launcher.profile or "local",
-                     spec.launcher.options if spec.launcher.kind == "slurm" else {}, source="--profile", prefix="")
+    if profile and (launcher or spec.launcher.kind) != "slurm":
+        raise click.UsageError("--profile applies to the slurm launcher; add --launcher slurm")
     out = Path(out or Path("results") / spec.name)
     launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
     exp = plan(spec, launch)  # every error before any launch

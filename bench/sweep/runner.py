@@ -87,7 +87,8 @@ def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: 
         return DebugLauncher()
     from bench.sweep.slurm import SlurmLauncher, load_profile
     options = spec.launcher.options if spec.launcher.kind == "slurm" else {}
-    prof = load_profile(profile or spec.launcher.profile or "local", options, source=spec.source)
+    prof = load_profile(profile or spec.launcher.profile or "local", options, source=spec.source,
+                        from_cli=profile is not None)
     if exclusive:
         prof = replace(prof, exclusive=True)
     if max_parallel:

@@ -86,15 +86,17 @@ def profile_names() -> list[str]:
 
 
 def load_profile(name: str, overrides: dict | None = None, source: str = "<launcher>",
-                 prefix: str = "launcher.") -> SlurmProfile:
-    """slurm/profiles/<name>.yaml (or a path to a YAML file) with the sweep file's overrides on top."""
+                 prefix: str = "launcher.", from_cli: bool = False) -> SlurmProfile:
+    """slurm/profiles/<name>.yaml (or a path to a YAML file) with the sweep file's overrides on top.
+    Errors name the sweep file and key (`source`, `prefix`), the profile file, or `--profile` (from_cli)."""
     import yaml
     from bench.sweep.spec import SweepError, suggest
     path = Path(name) if str(name).endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name}.yaml"
     if not isinstance(name, str) or not path.is_file():
         known = profile_names()
-        raise SweepError(source, f"{prefix}profile", f"unknown slurm profile {name!r}{suggest(name, known)} "
-                                                     f"(profiles in {PROFILE_DIR}: {', '.join(known) or 'none'})")
+        where = ("--profile", "") if from_cli else (source, f"{prefix}profile")
+        raise SweepError(*where, f"unknown slurm profile {name!r}{suggest(name, known)} "
+                                 f"(profiles in {PROFILE_DIR}: {', '.join(known) or 'none'})")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:

@@ -138,7 +138,7 @@ def parse_sweep(data: Any, source: str = "<sweep>", default_name: str = "sweep")
     repeats = data.get("repeats", 1)
     if not _is_int(repeats) or repeats < 1:
         raise err("repeats", f"must be a positive integer, got {repeats!r}")
-    launcher = _parse_launcher(data.get("launcher", "local"), err)
+    launcher = _parse_launcher(data.get("launcher", "local"), err, source)
     report = data.get("report", False)
     if not isinstance(report, bool):
         raise err("report", f"must be true or false, got {report!r}")
@@ -334,7 +334,7 @@ def _parse_exclude(rules, err) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def _parse_launcher(value, err) -> LauncherSpec:
+def _parse_launcher(value, err, source: str) -> LauncherSpec:
     if isinstance(value, str):
         value = {"kind": value}
     if not isinstance(value, dict):
@@ -351,7 +351,7 @@ def _parse_launcher(value, err) -> LauncherSpec:
     profile = value.get("profile", "local") if kind == "slurm" else None
     if kind == "slurm":
         from bench.sweep.slurm import load_profile
-        load_profile(profile, options, source=err("", "").source)
+        load_profile(profile, options, source=source)
     return LauncherSpec(kind=kind, profile=profile, options=options)
 
 
