@@ -7,7 +7,6 @@ also reruns the failed, oom, timeout and cancelled ones.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -323,7 +322,8 @@ def _cell(value) -> str:
     return escape(str(value))
 
 
-def print_counts(counts: dict, file=sys.stdout) -> str:
+def print_counts(counts: dict) -> str:
+    """'ok 3 · failed 1 · …' over every status."""
     return " · ".join(f"{s} {counts.get(s, 0)}" for s in STATUSES)
 
 
