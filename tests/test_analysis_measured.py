@@ -73,7 +73,10 @@ MEMORY_BAND = (0.6, 1.5)  # measured step peak / predicted (activations + transi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [dict(tp=2, pp=2, dp=1, micro_batches=2), dict(tp=1, pp=1, dp=4, micro_batches=1),
-                                     dict(tp=2, pp=1, dp=2, micro_batches=1, sequence_parallel=True)])
+                                     dict(tp=2, pp=1, dp=2, micro_batches=1, sequence_parallel=True),
+                                     dict(tp=1, pp=2, dp=2, micro_batches=4, schedule="gpipe"),
+                                     dict(tp=4, pp=1, dp=1, micro_batches=1, dtype="bf16-mixed"),
+                                     dict(tp=2, pp=2, dp=1, micro_batches=4, dtype="bf16-mixed")])
 def test_predicted_memory_band_small(pools, options):
     cfg = RunConfig(model="small", steps=2, warmup=1, micro_batch=2, backend="native", **options)
     row = pools(cfg.world).run(cfg)

@@ -28,7 +28,9 @@ The constants assume 2-byte activations, 1-byte dropout masks and a GELU MLP of 
 derives them term by term from the model (element bytes e, MLP width f, swiglu) so that they
 reduce exactly to Table 2 in that case; `ActivationModel("suite")` describes this suite's GPT
 (no dropout, fused attention that saves no s×s matrix). Beyond the layers, the last stage holds
-the logits and the loss's fp32 softmax for the micro-batches in flight there.
+the logits and the loss's fp32 softmax for the micro-batches in flight there. With the `suite`
+model and the `autocast` state convention, the fp32 norm inputs and the per-forward bf16 weight
+copies that torch.autocast saves are added (`_autocast_extra_per_layer`).
 """
 from __future__ import annotations
 
@@ -188,6 +190,15 @@ def layer_activation_bytes(m: GPTConfig, b: int, s: int, tp: int = 1, sp: bool =
     return tokens * per_token
 
 
+def _autocast_extra_per_layer(m: GPTConfig, tokens: int, tp: int, sp: bool) -> float:
+    """torch.autocast beyond the 2-byte convention: the two norm inputs (the fp32 residual stream)
+    are saved in fp32 (+2 bytes each per element), and every forward saves its own bf16 copy of
+    the layer's matmul weights for backward (the cast cache lives for one autocast region)."""
+    up = 2 * m.ffn_hidden if m.activation == "swiglu" else m.ffn_hidden
+    weights = (4 * m.hidden * m.hidden + m.hidden * up + m.ffn_hidden * m.hidden) / tp
+    return tokens * 2 * 2 * m.hidden / (tp if sp else 1) + 2 * weights
+
+
 @lru_cache(maxsize=65536)
 def head_activation_bytes(m: GPTConfig, b: int, s: int, tp: int, sp: bool, e: int) -> float:
     """Final norm input, head input, logits (e) and the loss's fp32 softmax, per micro-batch."""
@@ -209,6 +220,9 @@ def stage_memory(cfg, stage: int, mixed_state: str = "zero", act: ActivationMode
         dp_ = dg = do = 1
     per_layer = layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
                                        cfg.recompute, prec.act, act)
+    autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32"
+    if autocast and cfg.recompute != "full":
+        per_layer += _autocast_extra_per_layer(m, cfg.micro_batch * cfg.seq, cfg.tp, cfg.sequence_parallel)
     layers_in_flight = in_flight_layers(stage, m.layers, cfg.pp, cfg.micro_batches, cfg.schedule,
                                         cfg.virtual_stages)
     if cfg.pp == 1 and cfg.schedule == "gpipe" and cfg.backend == "native":
