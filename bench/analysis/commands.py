@@ -24,8 +24,10 @@ def _gib(n: float) -> str:
 @config_options
 @click.option("--gpus-per-node", type=int, default=8, show_default=True, help="GPUs per node")
 @click.option("--rack-size", type=int, default=None, help="nodes per rack: warn about pipeline sends across racks")
+@click.option("--any-engine", is_flag=True,
+              help="with --model: check only the layout and model (what Megatron-LM could run), not this suite's backends")
 @click.option("--json", "as_json", is_flag=True, help="ranks, groups, links and warnings as JSON")
-def layout(gpus_per_node, rack_size, as_json, **options):
+def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
     """Explain a tp × pp × dp layout: which GPU computes which stage, who talks to whom, over which link.
 
     With --model, each group also shows the ops and bytes per step it moves (other flags as `bench run`)."""
@@ -35,7 +37,9 @@ def layout(gpus_per_node, rack_size, as_json, **options):
                  gpus_per_node)
     if rack_size is not None and rack_size < 1:
         raise click.BadParameter("must be ≥ 1", param_hint="--rack-size")
-    cfg = config_from_options(options) if options["model"] else None
+    cfg = None
+    if options["model"]:
+        cfg = _shape_from_options(options) if any_engine else config_from_options(options)
     info = explain(lay, rack_size, cfg)
     if as_json:
         echo_json(info)
