@@ -60,8 +60,11 @@ def throughput_heatmap(df: pd.DataFrame):
     if ok.empty:
         return "no successful run with a tokens_per_s measurement and its layout (tp, pp, dp)"
     configs = per_config(ok, ["tokens_per_s"])
-    by_dp = configs.groupby(["variant", "tp", "pp"])["dp"].nunique().max() > 1
-    panels = sorted(configs.groupby(["variant", "dp"] if by_dp else "variant").groups)
+    configs["world"] = configs["tp"] * configs["pp"] * configs["dp"]
+    # A tp × pp cell ran at several dp only when world sizes differ (dp = world / (tp·pp)): then one
+    # panel per backend and world size, so a panel compares layouts of equal resources.
+    by_world = configs.groupby(["variant", "tp", "pp"])["dp"].nunique().max() > 1
+    panels = sorted(configs.groupby(["variant", "world"] if by_world else "variant").groups)
     ncols = min(4, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     cell = 1.15  # inches per heatmap cell, whatever the grid size
@@ -73,9 +76,9 @@ def throughput_heatmap(df: pd.DataFrame):
     for ax, panel in zip(axes.flat, panels):
         panel = panel if isinstance(panel, tuple) else (panel,)
         sub = configs[configs["variant"] == panel[0]]
-        if by_dp:
-            sub = sub[sub["dp"] == panel[1]]
-        _heatmap_panel(ax, sub, vmax, title=panel[0] + (f", dp={panel[1]}" if by_dp else ""),
+        if by_world:
+            sub = sub[sub["world"] == panel[1]]
+        _heatmap_panel(ax, sub, vmax, title=panel[0] + (f", {int(panel[1])} rank{'s' * (panel[1] != 1)}" if by_world else ""),
                        tps=sorted(configs["tp"].unique()), pps=sorted(configs["pp"].unique()))
     for i, ax in enumerate(axes.flat):
         ax.set_visible(i < len(panels))

@@ -12,8 +12,8 @@ from bench.report.load import load_many
 
 CAPTIONS = {
     "throughput_heatmap": "Tokens per second for each tensor × pipeline layout, one panel per backend variant "
-                          "(and per dp when a layout ran at several dp). A cell shows the best config of that "
-                          "layout (over schedules, micro-batches, …) and its dp.",
+                          "(and per world size when a layout ran at several dp, dp = world / (tp·pp)). A cell "
+                          "shows the best config of that layout (over schedules, micro-batches, …) and its dp.",
     "backend_comparison": "The best config of each backend variant and layout at the same world size. Bars: mean "
                           "over repeats; whiskers: min–max over repeats (none for single runs). Memory per "
                           "rank = model state (params + grads + optimizer state) + the measured step peak, max "
