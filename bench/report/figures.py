@@ -78,7 +78,8 @@ def throughput_heatmap(df: pd.DataFrame):
         sub = configs[configs["variant"] == panel[0]]
         if by_world:
             sub = sub[sub["world"] == panel[1]]
-        _heatmap_panel(ax, sub, vmax, title=panel[0] + (f", {int(panel[1])} rank{'s' * (panel[1] != 1)}" if by_world else ""),
+        ranks = f", {int(panel[1])} rank{'s' * (panel[1] != 1)}" if by_world else ""
+        _heatmap_panel(ax, sub, vmax, title=panel[0] + ranks,
                        tps=sorted(configs["tp"].unique()), pps=sorted(configs["pp"].unique()))
     for i, ax in enumerate(axes.flat):
         ax.set_visible(i < len(panels))
