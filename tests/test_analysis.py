@@ -196,6 +196,9 @@ def test_cli_estimate_and_errors():
     assert json.loads(out.output)["total_bytes"] == pytest.approx(16 * 7.5e9 / 64)
     text = runner.invoke(app, ["estimate", "--model", "tiny", "--hardware", "cpu"]).output
     assert "tokens/s" in text
+    eight = [json.loads(runner.invoke(app, ["estimate", "--model", "tiny", "--model-overrides", "layers=8", "--json",
+                                            *extra]).output)["params_bytes"] for extra in ([], ["--any-engine"])]
+    assert eight[0] == eight[1] == 4 * (232576 + 4 * 49408)  # four more blocks of 49,408 parameters
     # bad input: RunConfig's reason, the known presets / profiles (main() prints these as `error: ...`)
     for args, match in ((["--model", "tiny", "--tp", "3"], "not divisible by tp"),
                         (["--model", "tiny", "--tp", "3", "--any-engine"], "not divisible by tp"),

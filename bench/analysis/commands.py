@@ -79,20 +79,23 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
 
 def _shape_from_options(options: dict):
     """The run's fields with RunConfig's defaults, checked by RunConfig's layout and model rules only."""
-    from dataclasses import fields
+    from dataclasses import MISSING, fields, replace
 
     from bench.analysis.estimate import Shape
     from bench.analysis.planner import structural_reason
     from bench.config import ConfigError, RunConfig
     from models.config import get_preset
-    defaults = {f.name: f.default for f in fields(RunConfig) if f.name in {g.name for g in fields(Shape)}}
+    defaults = {f.name: (f.default_factory() if f.default is MISSING else f.default)
+                for f in fields(RunConfig) if f.name in {g.name for g in fields(Shape)}}
     given = {k: v for k, v in options.items() if v is not None and v != () and k in defaults}
     values = {**defaults, **given, "zero": int(given.get("zero", 0))}
-    values["seq"] = values["seq"] or get_preset(values["model"]).seq_len
     if values["backend"] == "fsdp" and values["fsdp"] is None:
         values["fsdp"] = "full"
-    values.pop("model_overrides", None)
+    values["model_overrides"] = tuple(values.get("model_overrides") or ())
+    get_preset(values["model"])  # unknown preset: the error lists the known ones
     shape = Shape(**values)
+    if not shape.seq:
+        shape = replace(shape, seq=shape.model_config.seq_len)
     reason = structural_reason(shape)
     if reason:
         raise ConfigError(reason)

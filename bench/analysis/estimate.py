@@ -53,6 +53,9 @@ class Shape:
 
     @property
     def model_config(self) -> GPTConfig:
+        if self.model_overrides:
+            from bench.config import model_config
+            return model_config(self.model, self.model_overrides)
         return get_preset(self.model)
 
     @property
