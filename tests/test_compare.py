@@ -60,6 +60,10 @@ def test_new_missing_and_failed_configs():
     assert not result.regressed
     failed = compare(rows(["a"]), rows(["a"], status="failed"))
     assert failed.regressed and failed.rows[0]["verdict"] == "failed" and failed.rows[0]["error"] == "boom"
+    gone = compare(rows(["a"]), rows(["a"]).drop(columns="params"))  # an exact metric no longer measured
+    assert gone.regressed and [r["verdict"] for r in gone.failures] == ["missing"]
+    added = compare(rows(["a"]).drop(columns="params"), rows(["a"]))  # a new metric: nothing to compare
+    assert not added.regressed
     skipped = compare(rows(["a"]), rows(["a"], status="skipped"))
     assert not skipped.regressed and skipped.rows[0]["verdict"] == "skipped"
     with pytest.raises(ValueError, match="noisy metrics are"):

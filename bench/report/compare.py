@@ -33,12 +33,12 @@ NOISY = {
 }
 EXACT = ("params", "params_bytes", "grads_bytes", "optimizer_bytes", "persistent_bytes",
          *(f"comm_{what}_{dim}" for what in ("bytes", "wire_bytes", "ops") for dim in ("tp", "pp", "dp")))
-FAILED_VERDICTS = ("changed", "regressed", "failed")
+FAILED_VERDICTS = ("changed", "missing", "regressed", "failed")
 
 
 @dataclass(frozen=True)
 class Judgement:
-    verdict: str  # equal | changed | ok | regressed | improved | no data
+    verdict: str  # exact: equal | changed | missing (gone from current); noisy: ok | regressed | improved; no data
     base: float | None
     current: float | None
     change: float | None  # (current − base) / |base|
@@ -122,10 +122,13 @@ def _compare_config(b: pd.DataFrame, c: pd.DataFrame, exact_cols, thresholds, de
                  "threshold": None, "error": error}]
     rows = []
     for metric in exact_cols:
-        if metric in b_ok and metric in c_ok:
+        if metric in b_ok:
+            c_ok = c_ok if metric in c_ok else c_ok.assign(**{metric: float("nan")})
             j = judge(b_ok[metric], c_ok[metric], exact=True)
             if j.base is None and j.current is None:
                 continue  # the metric does not apply to this config (e.g. a prediction it has none of)
+            if j.current is None:
+                j = Judgement("missing", j.base, None, None, None, None)  # measured before, not any more
             rows.append({**info, "metric": metric, "kind": "exact", "gated": True, "threshold": 0.0, **asdict(j)})
     for metric, (higher, floor) in NOISY.items():
         if metric in b_ok and metric in c_ok:

@@ -7,7 +7,7 @@ import math
 from bench.report.compare import Comparison
 from bench.report.render import markdown_table
 
-COLOURS = {"regressed": "bold red", "changed": "bold red", "failed": "bold red", "improved": "green",
+COLOURS = {"regressed": "bold red", "changed": "bold red", "missing": "bold red", "failed": "bold red", "improved": "green",
            "fixed": "green", "ok": "", "equal": "dim", "no data": "yellow", "skipped": "yellow"}
 
 
