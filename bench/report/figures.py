@@ -215,6 +215,9 @@ def _stacked_pairs(configs: pd.DataFrame, bars: dict[str, dict], unit: float, xl
     for b, (source, columns) in enumerate(bars.items()):
         y = np.arange(n) - 0.4 + height * (b + 0.5)
         left = np.zeros(n)
+        cols = [c for c in columns.values() if c and c in configs]
+        known = configs[cols].apply(pd.to_numeric, errors="coerce").notna().any(axis=1).to_numpy() if cols \
+            else np.zeros(n, bool)  # a row with none of this source's columns has no bar, not a zero bar
         for part in parts:
             col = columns.get(part)
             values = (configs[col].fillna(0).to_numpy(float) / unit) if col and col in configs else np.zeros(n)
@@ -222,8 +225,9 @@ def _stacked_pairs(configs: pd.DataFrame, bars: dict[str, dict], unit: float, xl
                     edgecolor="white" if not b else "0.25", linewidth=0.5,
                     label=legend_names.get(part, part) if b == 0 else None)
             left += values
-        for yi, total in zip(y, left):
-            ax.text(total, yi, f" {total:.3g} {source}", va="center", fontsize=7.5, color="0.25")
+        for yi, total, has in zip(y, left, known):
+            text = f" {total:.3g} {source}" if has else f" no {source} value in this row"
+            ax.text(total, yi, text, va="center", fontsize=7.5, color="0.25" if has else "0.5")
     ax.set_yticks(np.arange(n), configs["label"])
     ax.grid(axis="y", visible=False)
     ax.set_xlabel(xlabel)
