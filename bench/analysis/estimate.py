@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import gcd
 
-from bench.analysis.comm import Traffic, comm_summary, stage_traffic, wire_bytes
+from bench.analysis.comm import Traffic, comm_summary, stage_traffic
 from bench.analysis.hardware import Hardware, get_hardware
 from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memory
 from bench.analysis.schedule import bubble_fraction, bubble_over_ideal

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from bench.analysis.schedule import chunk_layers, in_flight_layers, in_flight_micro_batches, stage_chunks
-from models.config import GPTConfig, block_params, embedding_params, head_params
+from models.config import GPTConfig, block_params, embedding_params
 
 MIXED_STATES = ("zero", "autocast")
 """How mixed precision keeps its model state: see the module docstring."""
@@ -105,11 +105,6 @@ def stage_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int
     if len(chunks) - 1 in mine:
         n += head_params_local(m, tp, pp)
     return n
-
-
-def root_params_local(m: GPTConfig, tp: int) -> float:
-    """Parameters outside the blocks (embeddings, final norm, head): FSDP's root unit."""
-    return embedding_params_local(m, tp) + head_params_local(m, tp, 1)
 
 
 # --- sharding ------------------------------------------------------------------------------------

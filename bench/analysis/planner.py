@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
 from bench.analysis.hardware import Hardware, get_hardware
@@ -202,7 +202,3 @@ def describe(row: dict) -> str:
     if row["order"] != "tp-pp-dp":
         parts.append(f"--order {row['order']}")
     return " ".join(parts)
-
-
-def replace_shape(shape: Shape, **changes) -> Shape:
-    return replace(shape, **changes)
