@@ -131,7 +131,10 @@ def history_show(config, metric, where, threshold, window, out, path):
     from bench.report import history as h
     from bench.report.labels import add_labels
     df = h.read(path)
-    filters = dict(w.split("=", 1) for w in where if "=" in w)
+    bad = [w for w in where if "=" not in w]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r} must look like COLUMN=VALUE", param_hint="--where")
+    filters = dict(w.split("=", 1) for w in where)
     rows = h.select(df, config, filters)
     if not config and not filters:
         listing = add_labels(rows).groupby("config_id" if "config_id" in rows else "run_id").agg(
@@ -139,7 +142,7 @@ def history_show(config, metric, where, threshold, window, out, path):
         for cid, r in listing.iterrows():
             click.echo(f"{cid}  {r['label']}  ({r['points']} point(s))")
         return
-    if rows["config_id"].nunique() > 1 if "config_id" in rows else False:
+    if "config_id" in rows and rows["config_id"].nunique() > 1:
         click.echo(f"note: {rows['config_id'].nunique()} configs match; their runs are pooled per time", err=True)
     points = h.series(rows, metric)
     if points.empty:
