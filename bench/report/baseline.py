@@ -41,9 +41,10 @@ def write_baseline(df: pd.DataFrame, folder) -> Path:
     tmp = folder / f".results.{os.getpid()}.parquet"
     df.to_parquet(tmp, index=False)
     os.replace(tmp, folder / "results.parquet")
-    from bench.environment import git_sha
+    shas = sorted({str(s) for s in df.get("git_sha", pd.Series(dtype=object)).dropna()})
     meta = {"machine_kind": machine_kind(df), "schema_version": schema_version(),
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "git_sha": git_sha(),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "git_sha": shas[0] if len(shas) == 1 else shas,  # the code that produced the rows
             "runs": int(len(df)), "configs": int(df.get("config_id", df["run_id"]).nunique()),
             "sweeps": sorted({str(s) for s in df.get("sweep", pd.Series(dtype=object)).dropna()})}
     (folder / META).write_text(json.dumps(meta, indent=2) + "\n")
