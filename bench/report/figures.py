@@ -259,7 +259,7 @@ def bubble_curve(df: pd.DataFrame):
     if measured:
         runs["bubble_fraction"] = pd.to_numeric(runs["bubble_fraction"], errors="coerce")
         sns.scatterplot(runs, x="micro_batches", y="bubble_fraction", hue="schedule", style="pp", s=70, ax=ax,
-                        palette=PALETTE)
+                        palette=PALETTE, hue_order=sorted(runs["schedule"].dropna().unique()))
     if predicted:
         runs["pred_bubble_fraction"] = pd.to_numeric(runs["pred_bubble_fraction"], errors="coerce")
         ax.scatter(runs["micro_batches"], runs["pred_bubble_fraction"], facecolors="none", edgecolors="0.2",
