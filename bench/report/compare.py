@@ -101,7 +101,8 @@ def compare(base: pd.DataFrame, current: pd.DataFrame, thresholds: dict[str, flo
     for cid in sorted(set(b_groups) - set(c_groups)):
         out.missing.append(_describe(b_groups[cid]))
     exact_cols = _exact_columns(base, current)
-    for cid in sorted(set(b_groups) & set(c_groups)):
+    shared = sorted(set(b_groups) & set(c_groups), key=lambda cid: _describe(c_groups[cid])["label"])
+    for cid in shared:
         out.rows.extend(_compare_config(b_groups[cid], c_groups[cid], exact_cols, thresholds,
                                         default_threshold, exact_only))
     return out

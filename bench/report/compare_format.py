@@ -84,8 +84,8 @@ def print_terminal(comparison: Comparison) -> None:
 
 def to_markdown(comparison: Comparison) -> str:
     icon = "❌" if comparison.regressed else "✅"
-    lines = [f"### {icon} bench compare: {headline(comparison)}", ""]
-    lines += [f"> {note}" for note in comparison.notes]
+    lines = [f"### {icon} bench compare: {headline(comparison)}"]
+    lines += ["", *(f"> {note}" for note in comparison.notes)] if comparison.notes else []
     failing = comparison.failures
     if failing:
         lines += ["", "**Failing checks**", "", _md(failing)]
