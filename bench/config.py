@@ -32,8 +32,29 @@ RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+class BatchShape:
+    """Sizes derived from the layout and batch fields; shared by RunConfig and the planner's
+    unvalidated candidates (bench.analysis.estimate.Shape)."""
+
+    @property
+    def model_config(self) -> GPTConfig:
+        return model_config(self.model, self.model_overrides)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.micro_batches * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq
+
+
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(BatchShape):
     model: str = _f("tiny", "model preset (models.PRESETS)")
     model_overrides: tuple = _f(tuple, "preset fields to override, as KEY=VALUE (e.g. layers=8)")
     backend: str = _f("native", "training backend", BACKENDS)
@@ -65,23 +86,6 @@ class RunConfig:
     def __post_init__(self):
         _normalize(self)
         _validate(self)
-
-    # --- derived -------------------------------------------------------------------------
-    @property
-    def model_config(self) -> GPTConfig:
-        return model_config(self.model, self.model_overrides)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.micro_batches * self.dp
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq
 
     @property
     def run_id(self) -> str:
@@ -150,6 +154,8 @@ def model_config(preset: str, overrides: tuple | dict = ()) -> GPTConfig:
         parsed[key] = value
     try:
         cfg = get_preset(preset)
+        if not parsed:
+            return cfg
         types = {f.name: f.type for f in fields(GPTConfig)}
         return cfg.with_overrides(**{k: _coerce(v, types.get(k, "str")) for k, v in parsed.items()})
     except ValueError as e:

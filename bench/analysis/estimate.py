@@ -22,14 +22,15 @@ from bench.analysis.comm import Traffic, comm_summary, stage_traffic
 from bench.analysis.hardware import Hardware, get_hardware
 from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memory
 from bench.analysis.schedule import bubble_fraction, bubble_over_ideal
-from models.config import GPTConfig, flops_per_token, get_preset, matmul_params
+from bench.config import BatchShape
+from models.config import flops_per_token, matmul_params
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
                "total_bytes")
 
 
 @dataclass(frozen=True)
-class Shape:
+class Shape(BatchShape):
     """A RunConfig-like candidate without validation (the planner validates it through RunConfig)."""
 
     model: str
@@ -50,25 +51,6 @@ class Shape:
     recompute: str = "none"
     bucket_mb: float = 25.0
     model_overrides: tuple = field(default=())
-
-    @property
-    def model_config(self) -> GPTConfig:
-        if self.model_overrides:
-            from bench.config import model_config
-            return model_config(self.model, self.model_overrides)
-        return get_preset(self.model)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.micro_batches * self.dp
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq
 
 
 def default_mixed_state(cfg) -> str:
