@@ -75,7 +75,9 @@ def test_model_preset_with_overrides_and_world_size_axis():
 def test_example_sweeps_expand():
     quick = expand(load_sweep(ROOT / "sweeps" / "quickstart.yaml"))
     assert {c.backend for c in quick.runs} == {"native", "ddp", "fsdp", "deepspeed"}
-    assert all(c.world == 4 and c.model == "tiny" for c in quick.runs) and quick.skipped
+    assert all(c.model == "tiny" and c.global_batch == 8 for c in quick.runs) and quick.skipped
+    assert {(c.world, c.tp, c.pp, c.dp) for c in quick.runs} == {(4, 1, 1, 4), (4, 1, 2, 2), (4, 2, 1, 2),
+                                                                 (4, 2, 2, 1), (1, 1, 1, 1)}  # + the reference
     paper = expand(load_sweep(ROOT / "sweeps" / "paper-3d.yaml"))
     assert sorted((c.tp, c.pp) for c in paper.runs) == [(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8)]
     assert all(c.world == 64 and c.dp == 64 // (c.tp * c.pp) for c in paper.runs)
