@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.report.load import check_frame
+from bench.sweep.store import read_parquet
 
 DEFAULT_PATH = Path("results/history.parquet")
 
@@ -39,11 +40,7 @@ def read(path=DEFAULT_PATH) -> pd.DataFrame:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no history yet; record a sweep with `bench history add RESULTS`")
-    try:
-        df = pd.read_parquet(path)
-    except Exception as e:  # noqa: BLE001 - a foreign or broken file becomes one line
-        raise ValueError(f"{path}: not a readable history parquet ({type(e).__name__})") from None
-    return check_frame(df, path)
+    return check_frame(read_parquet(path, "history parquet"), path)
 
 
 def select(df: pd.DataFrame, config: str | None, where: dict[str, str]) -> pd.DataFrame:

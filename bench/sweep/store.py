@@ -19,8 +19,6 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.config import RunConfig
-
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -183,10 +181,18 @@ def check(df: "pd.DataFrame", source: str) -> None:
         raise ValueError(f"{source}: rows without a measurement must say why (error column)")
 
 
+def read_parquet(path: Path, what: str) -> "pd.DataFrame":
+    """`pd.read_parquet`, with a foreign or broken file reported as one ValueError naming `what` it should be."""
+    import pandas as pd
+    try:
+        return pd.read_parquet(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds for a foreign file
+        raise ValueError(f"{path}: not a readable {what} ({type(e).__name__}: {e})") from None
+
+
 def load_results(path: str | Path) -> "pd.DataFrame":
     """A sweep output folder (its runs/*.json, else its results.parquet) or a results parquet file →
     the checked DataFrame. Raises ValueError for an empty or foreign table or another schema version."""
-    import pandas as pd
     path = Path(path)
     if path.is_dir():
         store = ResultStore(path)
@@ -198,10 +204,7 @@ def load_results(path: str | Path) -> "pd.DataFrame":
             raise ValueError(f"{path}: no results here (expected runs/*.json or results.parquet)")
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such results folder or parquet file")
-    try:
-        df = pd.read_parquet(path)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds for a foreign file
-        raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+    df = read_parquet(path, "parquet file")
     if df.empty:
         raise ValueError(f"{path}: no result rows")
     if "SCHEMA_VERSION" not in df.columns:

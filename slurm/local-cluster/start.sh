@@ -14,7 +14,7 @@ WAIT_S=${SLURM_WAIT_S:-90}
 PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server)
 ETC=/etc/slurm
 LOG=/var/log/slurm
-say() { echo "slurm-cluster: $*" >&2; }
+. "$(dirname "$0")/daemons.sh"  # say, alive, stop_pid
 
 [ "$(id -u)" = 0 ] || { say "must run as root (installs packages, starts daemons)"; exit 1; }
 
@@ -31,17 +31,6 @@ install_packages() {
   apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-# Alive = pid file names a process that exists, is not a zombie (PID 1 here reaps lazily) and has the
-# expected command name.
-alive() {  # alive PIDFILE COMM
-  local pid
-  [ -s "$1" ] || return 1
-  pid=$(cat "$1")
-  [ -r "/proc/$pid/status" ] || return 1
-  grep -q '^State:.*Z' "/proc/$pid/status" && return 1
-  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]
-}
-
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
   local limit=$1 what=$2; shift 2
   local end=$((SECONDS + limit))
@@ -52,15 +41,6 @@ wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
     fi
     sleep 0.2
   done
-}
-
-stop_pid() {  # stop_pid PIDFILE COMM
-  alive "$1" "$2" || { rm -f "$1"; return 0; }
-  local pid; pid=$(cat "$1")
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 75); do alive "$1" "$2" || break; sleep 0.2; done
-  alive "$1" "$2" && kill -9 "$pid" 2>/dev/null || true
-  rm -f "$1"
 }
 
 # Write FILE from stdin when its content differs; return 0 when it changed.
