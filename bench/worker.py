@@ -134,6 +134,6 @@ def _merge_extras(extras: list[dict]) -> dict:
     return out
 
 
-def format_exception(exc: BaseException, lines: int = 12) -> str:
-    tail = traceback.format_exception(exc)
-    return "".join(tail)[-4000:] if lines else str(exc)
+def format_exception(exc: BaseException) -> str:
+    """The traceback's last 4,000 characters: enough to name the failing line, small enough for a row."""
+    return "".join(traceback.format_exception(exc))[-4000:]

@@ -1,7 +1,6 @@
 """bench report on real runs: files, tables, empty panels that say why, and the page in a real browser."""
 import json
 import re
-import shutil
 import time
 
 import numpy as np

@@ -1,5 +1,4 @@
 """bench history: step changes found by a pure function fed by hand; add/show on real result sets."""
-import pandas as pd
 import pytest
 
 from bench.report.history import add, read, series, step_changes

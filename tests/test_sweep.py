@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from bench.sweep.spec import SweepError, expand, load_sweep, parse_sweep
-from bench.sweep.store import SCHEMA_VERSION, STATUSES, ResultStore, load_results
+from bench.sweep.store import SCHEMA_VERSION, STATUSES, load_results
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = str(Path(sys.executable).parent / "bench")  # the installed entry point
