@@ -1,0 +1,1 @@
+"""parabench: benchmark and explain distributed training of one GPT definition."""
