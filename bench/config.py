@@ -11,6 +11,8 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
+from bench.capabilities import (BACKENDS, CAPABILITIES, DTYPES, FSDP_MODES, RECOMPUTE, SCHEDULES, ZERO_STAGES,
+                                unsupported_reason)
 from bench.layout import ORDERS
 from models.config import GPTConfig, get_preset
 
@@ -24,11 +26,6 @@ def _f(default, help: str, choices: tuple | None = None, in_id: bool = True):
     return field(metadata={"help": help, "choices": choices, "in_id": in_id}, **kw)
 
 
-BACKENDS = ("native", "deepspeed", "fsdp", "ddp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-FSDP_MODES = ("full", "grad-op", "hybrid", "none")
-DTYPES = ("fp32", "bf16-mixed", "fp16-mixed")
-RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -62,7 +59,7 @@ class RunConfig(BatchShape):
     pp: int = _f(1, "pipeline-parallel size (stages)")
     dp: int = _f(1, "data-parallel size (replicas)")
     order: str = _f("tp-pp-dp", "rank order, fastest dimension first", ORDERS)
-    zero: int = _f(0, "ZeRO stage: native 0-1, deepspeed 0-3", (0, 1, 2, 3))
+    zero: int = _f(0, "ZeRO stage: native 0-1, deepspeed 0-3", ZERO_STAGES)
     fsdp: str | None = _f(None, "FSDP sharding (backend fsdp only; default full)", FSDP_MODES)
     schedule: str = _f("1f1b", "pipeline schedule", SCHEDULES)
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)")
@@ -156,8 +153,7 @@ def model_config(preset: str, overrides: tuple | dict = ()) -> GPTConfig:
         cfg = get_preset(preset)
         if not parsed:
             return cfg
-        types = {f.name: f.type for f in fields(GPTConfig)}
-        return cfg.with_overrides(**{k: _coerce(v, types.get(k, "str")) for k, v in parsed.items()})
+        return cfg.with_overrides(**{k: _coerce(k, v, getattr(cfg, k, "")) for k, v in parsed.items()})
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -169,14 +165,18 @@ def _split_kv(item: str, name: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def _coerce(value, type_name: str):
-    if not isinstance(value, str):
+def _coerce(key: str, value, current):
+    """An override given as text takes the type of the preset's value it replaces."""
+    if not isinstance(value, str) or isinstance(current, str):
         return value
-    if type_name == "int":
-        return int(value)
-    if type_name == "bool":
+    if isinstance(current, bool):
+        if value.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ConfigError(f"model_overrides {key}={value}: {key} must be true or false")
         return value.lower() in ("1", "true", "yes", "on")
-    return value
+    try:
+        return type(current)(value)
+    except ValueError:
+        raise ConfigError(f"model_overrides {key}={value}: {key} must be {type(current).__name__}") from None
 
 
 def _normalize(cfg: RunConfig) -> None:
@@ -189,13 +189,21 @@ def _normalize(cfg: RunConfig) -> None:
         elif isinstance(value, (list, str)):
             value = tuple([value] if isinstance(value, str) else value)
         set_(name, tuple(value))
-    if cfg.backend == "fsdp" and cfg.fsdp is None:
-        set_("fsdp", "full")
+    if cfg.fsdp is None and cfg.backend in CAPABILITIES:
+        set_("fsdp", CAPABILITIES[cfg.backend].fsdp_default)
     if cfg.seq is None:
         set_("seq", cfg.model_config.seq_len)
 
 
 def _validate(cfg: RunConfig) -> None:
+    """Field types and choices, then what no engine could run, then what this backend cannot run."""
+    _validate_fields(cfg)
+    reason = structural_reason(cfg) or unsupported_reason(cfg)
+    if reason:
+        raise ConfigError(reason)
+
+
+def _validate_fields(cfg: RunConfig) -> None:
     for f in fields(cfg):
         choices, value = f.metadata["choices"], getattr(cfg, f.name)
         if choices and value is not None and value not in choices:
@@ -215,40 +223,44 @@ def _validate(cfg: RunConfig) -> None:
     if cfg.world_size is not None and cfg.world != cfg.world_size:
         raise ConfigError(f"tp ({cfg.tp}) × pp ({cfg.pp}) × dp ({cfg.dp}) = {cfg.world}, "
                           f"but world_size is {cfg.world_size}")
-    _validate_model_fit(cfg)
-    _validate_pipeline(cfg)
-    from bench.backends.registry import unsupported_reason
-    reason = unsupported_reason(cfg)
-    if reason:
-        raise ConfigError(reason)
 
 
-def _validate_model_fit(cfg: RunConfig) -> None:
+def structural_reason(shape) -> str | None:
+    """Why no engine could run this shape (model fit, pipeline shape, schedule rules), or None.
+
+    Reads only the layout and batch fields, so the planner's unvalidated candidates use it too; the
+    second layer, what one backend supports, is bench.capabilities.unsupported_reason."""
+    return _model_fit_reason(shape) or _pipeline_reason(shape)
+
+
+def _model_fit_reason(cfg) -> str | None:
     m = cfg.model_config
     for what, value in (("heads", m.heads), ("ffn_hidden", m.ffn_hidden), ("vocab", m.vocab)):
         if value % cfg.tp:
-            raise ConfigError(f"model {what} ({value}) is not divisible by tp ({cfg.tp}); "
-                              f"pick tp from the divisors of {value}")
+            return f"model {what} ({value}) is not divisible by tp ({cfg.tp}); pick tp from the divisors of {value}"
     if cfg.seq > m.seq_len and m.position == "learned":
-        raise ConfigError(f"seq ({cfg.seq}) exceeds the model's seq_len ({m.seq_len})")
+        return f"seq ({cfg.seq}) exceeds the model's seq_len ({m.seq_len})"
     if cfg.sequence_parallel and cfg.tp == 1:
-        raise ConfigError("sequence_parallel needs tp > 1 (it shards along the sequence within a tp group)")
+        return "sequence_parallel needs tp > 1 (it shards along the sequence within a tp group)"
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
-        raise ConfigError(f"sequence_parallel needs seq ({cfg.seq}) divisible by tp ({cfg.tp})")
+        return f"sequence_parallel needs seq ({cfg.seq}) divisible by tp ({cfg.tp})"
+    return None
 
 
-def _validate_pipeline(cfg: RunConfig) -> None:
+def _pipeline_reason(cfg) -> str | None:
     m, chunks = cfg.model_config, cfg.pp * cfg.virtual_stages
     if m.layers < chunks:
-        raise ConfigError(f"model layers ({m.layers}) < pp ({cfg.pp}) × virtual_stages ({cfg.virtual_stages}) "
-                          f"= {chunks}: every pipeline stage needs at least one layer")
+        return (f"model layers ({m.layers}) < pp ({cfg.pp}) × virtual_stages ({cfg.virtual_stages}) "
+                f"= {chunks}: every pipeline stage needs at least one layer")
     if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
-        raise ConfigError(f"virtual_stages ({cfg.virtual_stages}) > 1 needs schedule interleaved, "
-                          f"not {cfg.schedule}")
+        return f"virtual_stages ({cfg.virtual_stages}) > 1 needs schedule interleaved, not {cfg.schedule}"
+    if cfg.virtual_stages > 1 and cfg.pp == 1:
+        return (f"virtual_stages ({cfg.virtual_stages}) > 1 needs pp > 1 "
+                "(interleaving spreads model chunks over pipeline ranks)")
     if cfg.schedule == "interleaved" and cfg.pp > 1:
         if m.layers % chunks:
-            raise ConfigError(f"interleaved: model layers ({m.layers}) must be divisible by pp ({cfg.pp}) × "
-                              f"virtual_stages ({cfg.virtual_stages}) = {chunks}")
+            return (f"interleaved: model layers ({m.layers}) must be divisible by pp ({cfg.pp}) × "
+                    f"virtual_stages ({cfg.virtual_stages}) = {chunks}")
         if cfg.micro_batches % cfg.pp:
-            raise ConfigError(f"interleaved: micro_batches ({cfg.micro_batches}) must be a multiple of "
-                              f"pp ({cfg.pp})")
+            return f"interleaved: micro_batches ({cfg.micro_batches}) must be a multiple of pp ({cfg.pp})"
+    return None

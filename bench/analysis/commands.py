@@ -82,8 +82,7 @@ def _shape_from_options(options: dict):
     from dataclasses import MISSING, fields, replace
 
     from bench.analysis.estimate import Shape
-    from bench.analysis.planner import structural_reason
-    from bench.config import ConfigError, RunConfig
+    from bench.config import ConfigError, RunConfig, structural_reason
     from models.config import get_preset
     defaults = {f.name: (f.default_factory() if f.default is MISSING else f.default)
                 for f in fields(RunConfig) if f.name in {g.name for g in fields(Shape)}}

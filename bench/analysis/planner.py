@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
 from bench.analysis.hardware import Hardware, get_hardware
+from bench.config import ConfigError, RunConfig, structural_reason
 from models.config import get_preset
 
 # (backend, zero, fsdp) in order of preference; the cost model tells these apart by what they shard
@@ -54,17 +55,6 @@ ENGINES = ("suite", "any")
 engine such as Megatron-LM could run (RunConfig's layout and model checks, no backend checks)."""
 
 
-def structural_reason(s) -> str | None:
-    """RunConfig's own layout/model/pipeline checks without the backend support checks."""
-    from bench.config import ConfigError, _validate_model_fit, _validate_pipeline
-    try:
-        _validate_model_fit(s)
-        _validate_pipeline(s)
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
 class _Validator:
     def __init__(self, engines: str = "suite"):
         if engines not in ENGINES:
@@ -79,7 +69,6 @@ class _Validator:
 
 
 def _run_config_reason(s: Shape) -> str | None:
-    from bench.config import ConfigError, RunConfig
     try:
         RunConfig(**{f.name: getattr(s, f.name) for f in fields(Shape)})
     except ConfigError as e:
