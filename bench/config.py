@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from functools import lru_cache
 from typing import Any
 
 from bench.capabilities import (BACKENDS, CAPABILITIES, DTYPES, FSDP_MODES, RECOMPUTE, SCHEDULES, ZERO_STAGES,
@@ -145,9 +146,15 @@ def _suggest(name: str, known) -> str:
 
 def model_config(preset: str, overrides: tuple | dict = ()) -> GPTConfig:
     items = overrides.items() if isinstance(overrides, dict) else overrides
+    return _model_config(preset, tuple(tuple(i) if isinstance(i, list) else i for i in items))
+
+
+@lru_cache(maxsize=1024)
+def _model_config(preset: str, items: tuple) -> GPTConfig:
+    """Cached: the planner and the cost model ask for the same (frozen) model config thousands of times."""
     parsed = {}
     for item in items:
-        key, value = item if isinstance(item, (tuple, list)) else _split_kv(item, "model_overrides")
+        key, value = item if isinstance(item, tuple) else _split_kv(item, "model_overrides")
         parsed[key] = value
     try:
         cfg = get_preset(preset)

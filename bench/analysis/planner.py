@@ -6,7 +6,7 @@ dp = gpus / (tp·pp) dividing the global batch; the micro-batch size b (m = B / 
 schedule (gpipe, 1f1b, interleaved with every v that divides the layers); the model-state sharding
 (native ZeRO 0/1, DeepSpeed ZeRO 2/3, FSDP full/grad-op/hybrid); sequence parallel; recomputation;
 the rank order (only when it changes which groups cross nodes). Each candidate is checked by
-RunConfig's own validator (cached per combination of the fields the validator reads), then by
+RunConfig's two validation layers (each cached on the fields it reads), then by
 memory, then timed by `bench.analysis.estimate`. Candidates the model predicts identically under
 two backends are kept once (native first).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
 from bench.analysis.hardware import Hardware, get_hardware
@@ -43,37 +44,58 @@ class Plan:
     dropped: Counter  # reason → count
 
 
-def _validation_key(s: Shape) -> tuple:
-    """The fields RunConfig's validator reads: every field but the micro-batch size, with dp and
-    micro_batches only through the comparisons the checks make (dp ≥ 2; m vs pp)."""
-    return (s.backend, s.tp, s.pp, s.dp >= 2, s.zero, s.fsdp, s.schedule, s.virtual_stages, s.order,
-            s.micro_batches % s.pp == 0, s.micro_batches >= s.pp, s.sequence_parallel, s.recompute, s.dtype, s.seq)
-
-
 ENGINES = ("suite", "any")
 """suite: what this suite's backends can run (RunConfig's whole validator); any: what a complete
 engine such as Megatron-LM could run (RunConfig's layout and model checks, no backend checks)."""
 
 
+def _structure_key(s: Shape) -> tuple:
+    """What `structural_reason` reads (model fixed): the layout, the schedule, micro-batches only
+    as a multiple of pp."""
+    return (s.tp, s.pp, s.virtual_stages, s.schedule, s.sequence_parallel, s.seq, s.micro_batches % s.pp == 0)
+
+
+def _support_key(s: Shape) -> tuple:
+    """What `bench.capabilities.unsupported_reason` reads (model fixed): the backend's options, the
+    sizes only through the comparisons its rules make."""
+    return (s.backend, s.zero, s.fsdp, s.recompute, s.dtype, s.sequence_parallel, s.schedule, s.tp > 1, s.pp > 1,
+            s.virtual_stages > 1, s.micro_batches < s.pp, s.dp >= 2)
+
+
 class _Validator:
+    """The two validation layers, each cached on what it reads: tens of thousands of candidates
+    share a few hundred answers (tests/test_analysis.py checks the keys against the uncached validator)."""
+
     def __init__(self, engines: str = "suite"):
         if engines not in ENGINES:
             raise ValueError(f"engines is {engines!r}; choose one of {', '.join(ENGINES)}")
-        self.engines, self.cache = engines, {}
+        self.engines, self.structure, self.support = engines, {}, {}
 
     def __call__(self, s: Shape) -> str | None:
-        key = _validation_key(s)
-        if key not in self.cache:
-            self.cache[key] = structural_reason(s) if self.engines == "any" else _run_config_reason(s)
-        return self.cache[key]
+        key = _structure_key(s)
+        if key not in self.structure:
+            self.structure[key] = structural_reason(s)
+        if self.structure[key] or self.engines == "any":
+            return self.structure[key]
+        key = _support_key(s)
+        if key not in self.support:
+            self.support[key] = run_config_reason(s)
+        return self.support[key]
 
 
-def _run_config_reason(s: Shape) -> str | None:
+def run_config_reason(s: Shape) -> str | None:
+    """RunConfig's whole verdict on a candidate (uncached)."""
     try:
         RunConfig(**{f.name: getattr(s, f.name) for f in fields(Shape)})
     except ConfigError as e:
         return str(e)
     return None
+
+
+@lru_cache(maxsize=None)
+def _reason_class(reason: str) -> str:
+    """Reasons differ only in their numbers between candidates; count them as one class."""
+    return "invalid: " + re.sub(r"\b\d+\b", "N", reason)
 
 
 def _sharding_what(backend: str, zero: int, fsdp: str | None) -> str:
@@ -143,7 +165,7 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
             continue
         reason = validate(shape)
         if reason:
-            dropped["invalid: " + re.sub(r"\b\d+\b", "N", reason)] += 1
+            dropped[_reason_class(reason)] += 1
             continue
         key = (shape.tp, shape.pp, shape.schedule, shape.virtual_stages, shape.micro_batch, shape.sequence_parallel,
                shape.recompute, shape.order, _sharding_what(shape.backend, shape.zero, shape.fsdp))
