@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from typing import Any
@@ -128,6 +129,17 @@ class RunConfig(BatchShape):
 
     def replace(self, **changes) -> "RunConfig":
         return replace(self, **changes)
+
+
+@lru_cache(maxsize=None)
+def field_types() -> dict[str, tuple[type, bool]]:
+    """Each RunConfig field's value type (int, float, bool, str or tuple) and whether None is allowed,
+    from the annotations as Python evaluates them: the CLI and the sweep-file schema are built from it."""
+    out = {}
+    for name, hint in typing.get_type_hints(RunConfig).items():
+        args = typing.get_args(hint)
+        out[name] = (next(a for a in args if a is not type(None)), True) if args else (hint, False)
+    return out
 
 
 def _default(f):
