@@ -28,7 +28,6 @@ the heads, a backend without pipeline support, …) is not an error: it becomes 
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
 import itertools
 import json
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.config import BACKENDS, ConfigError, RunConfig
+from bench.typed_yaml import FileError, suggest
 from models.config import GPTConfig
 
 TOP_KEYS = ("name", "model", "world_size", "base", "grid", "zip", "backends", "deepspeed", "exclude", "repeats",
@@ -49,17 +49,8 @@ NOT_SETTABLE = {"repeat": "use the top-level key `repeats: K` instead",
 MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name != "name")
 
 
-class SweepError(ConfigError):
-    """A sweep file the user must fix: '<file>: <key path>: <problem>'."""
-
-    def __init__(self, source: str, path: str, problem: str):
-        self.source, self.path, self.problem = source, path, problem
-        super().__init__(f"{source}: {path}: {problem}" if path else f"{source}: {problem}")
-
-
-def suggest(name: str, known) -> str:
-    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+SweepError = FileError
+"""A sweep file the user must fix: '<file>: <key path>: <problem>'."""
 
 
 @dataclass(frozen=True)
