@@ -56,7 +56,8 @@ def key_path(loc: tuple, prefix: str = "") -> str:
 
 WANTS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false", "string_type": "a string",
          "dict_type": "a mapping", "list_type": "a list", "tuple_type": "a list", "model_type": "a mapping",
-         "dataclass_type": "a mapping", "int_from_float": "an integer"}
+         "dataclass_type": "a mapping", "int_from_float": "an integer", "int_parsing": "an integer",
+         "float_parsing": "a number", "bool_parsing": "true or false"}
 UNKNOWN = ("extra_forbidden", "unexpected_keyword_argument")
 
 
@@ -75,6 +76,8 @@ def problem(error: dict, unknown: tuple[str, tuple] = ("key", ())) -> str:
         return f"{field} must be {sign} {ctx.get('ge', ctx.get('gt'))}, got {value!r}"
     if kind_ == "missing":
         return f"{field} is missing"
+    if kind_ in ("value_error", "assertion_error"):  # raised by our own checks: their text as written
+        return str(ctx.get("error", error["msg"]))
     return error["msg"]  # our own PydanticCustomError messages, and anything pydantic words well itself
 
 
