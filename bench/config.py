@@ -124,7 +124,7 @@ class RunConfig(BatchShape):
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"unknown run config field(s) {unknown}{_suggest(unknown[0], known)}")
+            raise ConfigError(f"unknown run config field(s) {unknown}{suggest(unknown[0], known)}")
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items()})
 
     def replace(self, **changes) -> "RunConfig":
@@ -150,9 +150,10 @@ def _digest(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _suggest(name: str, known) -> str:
+def suggest(name, known) -> str:
+    """'; did you mean X?' for the closest known name, or ''."""
     import difflib
-    close = difflib.get_close_matches(name, sorted(known), n=1)
+    close = difflib.get_close_matches(str(name), sorted(str(k) for k in known), n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
@@ -226,7 +227,7 @@ def _validate_fields(cfg: RunConfig) -> None:
     for f in fields(cfg):
         choices, value = f.metadata["choices"], getattr(cfg, f.name)
         if choices and value is not None and value not in choices:
-            raise ConfigError(f"{f.name} is {value!r}{_suggest(str(value), map(str, choices))} "
+            raise ConfigError(f"{f.name} is {value!r}{suggest(str(value), map(str, choices))} "
                               f"(choose one of {', '.join(map(str, choices))})")
     for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch", "micro_batches", "seq", "steps"):
         value = getattr(cfg, name)

@@ -9,11 +9,10 @@ pydantic itself is imported only by the modules that define a file's model, so t
 """
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from bench.config import ConfigError
+from bench.config import ConfigError, suggest
 
 
 class FileError(ConfigError):
@@ -22,11 +21,6 @@ class FileError(ConfigError):
     def __init__(self, source: str, path: str, problem: str):
         self.source, self.path, self.problem = source, path, problem
         super().__init__(f"{source}: {path}: {problem}" if path else f"{source}: {problem}")
-
-
-def suggest(name, known) -> str:
-    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def kind(value) -> str:
@@ -61,14 +55,26 @@ WANTS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true 
 UNKNOWN = ("extra_forbidden", "unexpected_keyword_argument")
 
 
-def problem(error: dict, unknown: tuple[str, tuple] = ("key", ())) -> str:
-    """One pydantic error as our problem text. `unknown`: (what the keys are, the known keys) for
-    an unknown-key error."""
+def mistake(problem: str, *at):
+    """The error a model's own check raises: `problem` as written, at the key path of the value
+    checked plus `at` (e.g. the offending key of a mapping)."""
+    from pydantic_core import PydanticCustomError
+    return PydanticCustomError("file", "{problem}", {"problem": problem, "at": at})
+
+
+def known_keys(noun: str, known) -> Callable[[tuple], str]:
+    """The problem text of an unknown key among `known` ('unknown slurm profile key; did you mean …')."""
+    return lambda loc: f"unknown {noun}{suggest(loc[-1], known)} (known: {', '.join(map(str, known))})"
+
+
+def problem(error: dict, unknown: Callable[[tuple], str] = known_keys("key", ())) -> str:
+    """One pydantic error as our problem text; `unknown` words an unknown key from its location."""
     field = next((str(p) for p in reversed(error["loc"]) if isinstance(p, str)), "value")
     value, kind_, ctx = error.get("input"), error["type"], error.get("ctx") or {}
+    if kind_ == "file":
+        return ctx["problem"]
     if kind_ in UNKNOWN:
-        noun, known = unknown
-        return f"unknown {noun}{suggest(field, known)} (known: {', '.join(map(str, known))})"
+        return unknown(tuple(error["loc"]))
     if kind_ in WANTS:
         return f"{field} must be {WANTS[kind_]}, got {value!r} ({kind(value)})"
     if kind_ in ("greater_than_equal", "greater_than"):
@@ -78,10 +84,29 @@ def problem(error: dict, unknown: tuple[str, tuple] = ("key", ())) -> str:
         return f"{field} is missing"
     if kind_ in ("value_error", "assertion_error"):  # raised by our own checks: their text as written
         return str(ctx.get("error", error["msg"]))
-    return error["msg"]  # our own PydanticCustomError messages, and anything pydantic words well itself
+    return error["msg"]  # anything else pydantic words well itself
 
 
-def file_error(exc, source: str, prefix: str = "", unknown: tuple[str, tuple] = ("key", ())) -> FileError:
-    """The first error of a pydantic ValidationError as a FileError (one line: the first is enough to fix)."""
+def file_error(exc, source: str, prefix: str = "", unknown: Callable[[tuple], str] = known_keys("key", ()),
+               data: Any = None) -> FileError:
+    """The first error of a pydantic ValidationError as a FileError (one line: the first is enough to
+    fix). With the file's `data`, the key path stops at a value the file wrote as a scalar (a model
+    may have wrapped it into a list or mapping)."""
     error = exc.errors()[0]
-    return FileError(source, key_path(error["loc"], prefix), problem(error, unknown))
+    loc = tuple(error["loc"]) + tuple((error.get("ctx") or {}).get("at", ()))
+    return FileError(source, key_path(loc if data is None else in_file(data, loc), prefix), problem(error, unknown))
+
+
+def in_file(data: Any, loc: tuple) -> tuple:
+    """The part of `loc` the file itself spells: it follows mappings and lists, keeps a key the
+    mapping lacks (a missing or unknown key), and stops at a scalar."""
+    for i, part in enumerate(loc):
+        if isinstance(data, dict):
+            if part not in data:
+                return loc[:i + 1]
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return loc[:i]
+    return loc

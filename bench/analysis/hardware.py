@@ -33,7 +33,7 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated
 
-from bench.typed_yaml import FileError, file_error, load_yaml
+from bench.typed_yaml import FileError, file_error, known_keys, load_yaml
 
 
 class _Quantity:
@@ -139,7 +139,7 @@ def hardware_from_dict(data: dict, source: str = "profile", prefix: str = "") ->
     try:
         return _file_schema().validate_python({"source": source, **data})
     except pydantic.ValidationError as e:
-        raise file_error(e, source, prefix, ("hardware field", known)) from None
+        raise file_error(e, source, prefix, known_keys("hardware field", known), data) from None
 
 
 def load_profiles(path: str | Path) -> dict[str, Hardware]:

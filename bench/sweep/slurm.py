@@ -26,7 +26,7 @@ from pydantic import Strict
 
 from bench.config import RunConfig
 from bench.results import classify_error, failure_row
-from bench.typed_yaml import FileError, file_error, load_yaml, suggest
+from bench.typed_yaml import FileError, file_error, known_keys, load_yaml, suggest
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "profiles"
 
@@ -113,13 +113,13 @@ def load_profile(name: str, overrides: dict | None = None, source: str = "<launc
 
 
 def _profile(name: str, values: dict, source: str, prefix: str) -> SlurmProfile:
-    unknown = ("slurm profile key", PROFILE_KEYS)
+    unknown = known_keys("slurm profile key", PROFILE_KEYS)
     if "name" in values:  # the file's name is the profile's name
-        raise FileError(source, f"{prefix}name", f"unknown {unknown[0]} (known: {', '.join(PROFILE_KEYS)})")
+        raise FileError(source, f"{prefix}name", unknown(("name",)))
     try:
         return SlurmProfile(name=name, **{str(k): v for k, v in values.items()})
     except pydantic.ValidationError as e:
-        raise file_error(e, source, prefix, unknown) from None
+        raise file_error(e, source, prefix, unknown, values) from None
 
 
 def slurm_task(cfg_dict: dict, out: str | None, extra: dict) -> dict | None:
