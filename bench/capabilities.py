@@ -38,6 +38,8 @@ class Capabilities:
     """ZeRO stages (`--zero`)."""
     pipeline_zero: tuple[int, ...] | None = None
     """ZeRO stages allowed together with pp > 1 (None: every stage of `zero`)."""
+    pipeline_engine: str = "its pipeline engine"
+    """What runs its pipeline, as messages name it."""
     dtypes: tuple[str, ...] = ("fp32", "bf16-mixed")
     """Training precisions. A precision of NEEDS_LOSS_SCALER is listed only when `loss_scaler` is true."""
     loss_scaler: bool = False
@@ -74,8 +76,9 @@ CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (
     Capabilities("native", zero=(0, 1), sequence_parallel=True, tied_embeddings_need_one=("pp",)),
     # DeepSpeed: ZeRO 0-3; its PipelineEngine (1F1B, ZeRO ≤ 1); the native TP layers, which shard
     # embedding and head separately; its fp16 section scales the loss.
-    Capabilities("deepspeed", zero=ZERO_STAGES, pipeline_zero=(0, 1), dtypes=DTYPES, loss_scaler=True,
-                 schedules=("1f1b",), virtual_stages=False, tied_embeddings_need_one=("tp",), ds_set=True),
+    Capabilities("deepspeed", zero=ZERO_STAGES, pipeline_zero=(0, 1), pipeline_engine="DeepSpeed's pipeline engine",
+                 schedules=("1f1b",), virtual_stages=False, dtypes=DTYPES, loss_scaler=True,
+                 tied_embeddings_need_one=("tp",), ds_set=True),
     # FSDP2 (+ DTensor TP, torch.distributed.pipelining PP).
     Capabilities("fsdp", micro_batches_below_pp=False, tied_embeddings_need_one=("pp",), fsdp_modes=FSDP_MODES,
                  fsdp_default="full"),
@@ -115,7 +118,7 @@ def _parallelism(caps: Capabilities, cfg) -> str | None:
     if not caps.pp and cfg.pp > 1:
         return f"backend {name} has no pipeline parallel: needs pp = 1, got pp={cfg.pp}"
     if cfg.sequence_parallel and not caps.sequence_parallel:
-        return f"backend {name}: sequence_parallel is not supported (backend {_who('sequence_parallel')} only)"
+        return f"backend {name}: sequence_parallel is not supported ({_who('sequence_parallel')} engine only)"
     if cfg.model_config.tie_embeddings:
         for dim in caps.tied_embeddings_need_one:
             if getattr(cfg, dim) > 1:
@@ -133,7 +136,7 @@ def _pipeline(caps: Capabilities, cfg) -> str | None:
     zero = caps.zero if caps.pipeline_zero is None else caps.pipeline_zero
     if cfg.zero not in zero:
         return (f"backend {name}: zero={cfg.zero} is incompatible with pipeline parallel (pp={cfg.pp}); "
-                f"its pipeline engine supports zero {' and '.join(map(str, zero))}")
+                f"{caps.pipeline_engine} supports zero {' and '.join(map(str, zero))}")
     if cfg.schedule not in caps.schedules:
         return f"backend {name}: its pipeline engine runs {' and '.join(caps.schedules)} only, not schedule={cfg.schedule}"
     if not caps.micro_batches_below_pp and cfg.schedule in ("gpipe", "1f1b") and cfg.micro_batches < cfg.pp:
