@@ -156,7 +156,7 @@ def _valid_shapes(point: Shape, orders: tuple, validate: _Validator, dropped: Co
     if reason:
         dropped[_reason_class(reason)] += len(SHARDINGS) * len(RECOMPUTE) * len(orders)
         return
-    facts = _support_facts(point)
+    facts, fields_ = _support_facts(point), vars(point)  # Shape(**…) is cheaper than dataclasses.replace
     for backend, zero, fsdp in SHARDINGS:
         for recompute in RECOMPUTE:
             options = {"backend": backend, "zero": zero, "fsdp": fsdp, "recompute": recompute}
@@ -165,7 +165,7 @@ def _valid_shapes(point: Shape, orders: tuple, validate: _Validator, dropped: Co
                 dropped[_reason_class(reason)] += len(orders)
                 continue
             for order in orders:
-                yield replace(point, order=order, **options)
+                yield Shape(**{**fields_, **options, "order": order})
 
 
 def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, global_batch: int,
