@@ -3,6 +3,12 @@
 Field names are the vocabulary of the whole suite: a field `micro_batches` is the CLI flag
 `--micro-batches`, the YAML key `micro_batches` and the dataframe column `micro_batches`.
 Each field's `help` is the CLI's help text.
+
+Validation has two layers. This module checks what holds for any engine: field types and choices,
+the world size, the model's divisibility and the pipeline's shape and schedule (`structural_reason`,
+which the planner also applies to its candidates). bench/capabilities.py declares what each backend
+supports and says why a backend cannot run a config. A RunConfig raises ConfigError with the first
+reason of either, so a config that exists can run.
 """
 from __future__ import annotations
 
@@ -159,7 +165,11 @@ def suggest(name, known) -> str:
 
 def model_config(preset: str, overrides: tuple | dict = ()) -> GPTConfig:
     items = overrides.items() if isinstance(overrides, dict) else overrides
-    return _model_config(preset, tuple(tuple(i) if isinstance(i, list) else i for i in items))
+    items = tuple(tuple(i) if isinstance(i, list) else i for i in items)
+    try:
+        return _model_config(preset, items)
+    except TypeError:  # an unhashable value: not cacheable, and the override check below words the mistake
+        return _model_config.__wrapped__(preset, items)
 
 
 @lru_cache(maxsize=1024)
