@@ -261,3 +261,15 @@ def test_plan_validation_caches_agree_with_runconfig(model, gpus, batch):
                 assert verdict(cached(shape)) == verdict(run_config_reason(shape)), shape
                 n += 1
     assert n > 1000
+
+
+def test_hardware_file_mistakes_name_the_key(tmp_path):
+    from bench.typed_yaml import FileError
+    good = {"name": "g", "peak_flops": {"fp32": "50T"}, "memory_bytes": "48GiB", "intra_node_bw": 1, "inter_node_bw": 1}
+    for patch, message in (({"memory_bytes": "12 parsecs"}, "memory_bytes: cannot read '12 parsecs' as a number"),
+                           ({"gpu_per_node": 4}, "gpu_per_node: unknown hardware field; did you mean 'gpus_per_node'?"),
+                           ({"gpus_per_node": "four"}, "gpus_per_node: gpus_per_node must be an integer")):
+        path = tmp_path / "hw.yaml"
+        path.write_text(json.dumps({"profiles": [good, {**good, "name": "h", **patch}]}))  # JSON is YAML
+        with pytest.raises(FileError, match=f"^{path}: profiles\\[1\\]\\.{message}"):
+            get_hardware(f"{path}:h")
