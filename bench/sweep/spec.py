@@ -21,8 +21,10 @@ A sweep file (loaded with `yaml.safe_load`; every key is optional except `grid`)
     launcher: local                  # local | debug | slurm | {kind: slurm, profile: local, nodes: 2, ...}
     report: true                     # write the HTML/Markdown report to OUT/report/ after the sweep
 
-The file is read into pydantic models (`SweepFile` below) whose value types are built from
-RunConfig's and GPTConfig's own fields, so a new RunConfig field is a sweep key with no edit here.
+The file is read into pydantic v2 models (`SweepFile` below) whose value types are built from
+RunConfig's and GPTConfig's own fields, so a new RunConfig field is a sweep key with no edit here;
+pydantic because its errors carry the key path, its strict types refuse '8' for an integer, and
+DeepSpeed already depends on it (bench/typed_yaml.py turns its errors into our one line).
 Any mistake in the file is a `SweepError` naming the file, the key path and the fix; nothing is
 launched. A combination that the file describes correctly but that cannot run (tp does not divide
 the heads, a backend without pipeline support, …) is not an error: it becomes a `skipped` row whose
