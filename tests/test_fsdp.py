@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.backends.fsdp import stage_layers
-from bench.backends.sharded_init import hybrid_shape
+from bench.backends.fsdp import hybrid_shape, stage_layers
 from bench.config import ConfigError, RunConfig
 from models import PRESETS, count_params
 from models.config import block_params, embedding_params, head_params

@@ -16,11 +16,10 @@ import time
 from contextlib import contextmanager
 
 import torch
-import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from bench.native.pipeline_comm import PipeComm
 from bench.native.tensor import vocab_parallel_cross_entropy
+from bench.surgery import Stage
 
 
 def partition(layers: int, stages: int) -> list[list[int]]:
@@ -32,28 +31,6 @@ def partition(layers: int, stages: int) -> list[list[int]]:
         out.append(list(range(start, start + n)))
         start += n
     return out
-
-
-class Stage(nn.Module):
-    """One contiguous slice of the GPT. Parameter names are the full model's ("blocks.5.mlp.fc1.weight")."""
-
-    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool, recompute: bool):
-        super().__init__()
-        self.embed = model.embed if first else None
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layer_ids})
-        self.norm = model.norm if last else None
-        self.head = model.head if last else None
-        self.recompute = recompute
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens (b, s) or hidden (b, s[/tp], h) → hidden, or vocab-sharded logits (b, s, V/tp) if last."""
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
-        if self.head is not None:
-            x = self.head(self.norm(x))
-        return x
 
 
 # --- schedules: this rank's ordered actions -------------------------------------------------------
