@@ -10,80 +10,20 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from bench.config import RunConfig
 from bench.results import failure_row
+from bench.sweep.launcher import Launcher
 from bench.sweep.spec import Expansion, SweepError, SweepSpec, expand
 from bench.sweep.store import STATUSES, ResultStore
 
 
-class LocalLauncher:
-    """Each run as its world-size processes on this machine, one run at a time. A warm RankPool per
-    world size serves every run of that size (fresh port and process groups per run); a failed or
-    hung run gets its processes killed and the pool restarts."""
-
-    kind = "local"
-
-    def __init__(self, log: Path | None = None):
-        self.log = log
-        """Where the ranks' stdout/stderr go (the terminal shows the sweep's progress)."""
-        self.pools: dict[int, object] = {}
-
-    def unsupported(self, cfg: RunConfig) -> str | None:
-        return None
-
-    def launch(self, runs: list[RunConfig], started: Callable, finished: Callable) -> None:
-        runs = sorted(runs, key=lambda c: c.world)  # stable: one pool alive at a time, file order within
-        from bench.sweep.local import RankPool
-        left = {w: sum(c.world == w for c in runs) for w in {c.world for c in runs}}
-        for cfg in runs:
-            if cfg.world not in self.pools:
-                if self.log:
-                    self.log.parent.mkdir(parents=True, exist_ok=True)
-                self.pools[cfg.world] = RankPool(cfg.world, log=self.log)
-            pool = self.pools[cfg.world]
-            started(cfg)
-            t0 = time.monotonic()
-            row = pool.run(cfg)
-            finished(cfg, {**row, "wall_s": time.monotonic() - t0})
-            left[cfg.world] -= 1
-            if not left[cfg.world]:
-                self.pools.pop(cfg.world).close()
-
-    def close(self) -> None:
-        for pool in self.pools.values():
-            pool.kill()
-        self.pools.clear()
-
-
-class DebugLauncher:
-    """In this process, world size 1 (debuggers, profilers)."""
-
-    kind = "debug"
-
-    def unsupported(self, cfg: RunConfig) -> str | None:
-        return None if cfg.world == 1 else f"the debug launcher runs world size 1 only, not {cfg.world}"
-
-    def launch(self, runs: list[RunConfig], started: Callable, finished: Callable) -> None:
-        from bench.sweep.local import run_debug
-        for cfg in runs:
-            started(cfg)
-            t0 = time.monotonic()
-            row = run_debug(cfg)
-            finished(cfg, {**row, "wall_s": time.monotonic() - t0})
-
-    def close(self) -> None:
-        pass
-
-
 def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: str | None = None,
-                  exclusive: bool = False, max_parallel: int | None = None):
+                  exclusive: bool = False, max_parallel: int | None = None) -> Launcher:
     kind = kind or spec.launcher.kind
-    if kind == "local":
-        return LocalLauncher(log=out / "ranks.log")
-    if kind == "debug":
-        return DebugLauncher()
+    if kind in ("local", "debug"):
+        from bench.sweep.local import DebugLauncher, LocalLauncher
+        return LocalLauncher(log=out / "ranks.log") if kind == "local" else DebugLauncher()
     from bench.sweep.slurm import SlurmLauncher, load_profile
     options = spec.launcher.options if spec.launcher.kind == "slurm" else {}
     prof = load_profile(profile or spec.launcher.profile or "local", options, source=spec.source,
@@ -106,7 +46,7 @@ class SweepOutcome:
     """Runs not launched because a previous invocation stored them."""
 
 
-def plan(spec: SweepSpec, launch) -> Expansion:
+def plan(spec: SweepSpec, launch: Launcher) -> Expansion:
     """Expand the sweep; runs the launcher cannot place become skipped rows too. Raises SweepError when
     nothing at all can run (an impossible layout, say): that is a mistake in the file, not a result."""
     exp = expand(spec)
@@ -137,8 +77,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     if stored and not (resume or retry_failed):
         raise ValueError(f"{out} already holds {len(stored)} run row(s); add --resume to skip the finished runs "
                          "(--retry-failed to rerun the failed ones too), or choose another --out")
-    if hasattr(launch, "check_ready"):
-        launch.check_ready()
+    launch.check_ready()
     out.mkdir(parents=True, exist_ok=True)
     source = Path(spec.source)
     if source.is_file() and source.resolve() != (out / "sweep.yaml").resolve():
@@ -269,7 +208,7 @@ def _varying(rows: list[dict]) -> list[str]:
     return list(ALWAYS) + [n for n in names if len({str(r.get(n)) for r in rows}) > 1]
 
 
-def dry_run_table(spec: SweepSpec, exp: Expansion, launch=None):
+def dry_run_table(spec: SweepSpec, exp: Expansion, launch: Launcher | None = None):
     from rich.markup import escape
     from rich.table import Table
     rows = [{**c.to_row(), "status": "planned", "error": ""} for c in exp.runs] + exp.skipped

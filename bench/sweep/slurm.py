@@ -1,9 +1,9 @@
 """Slurm launcher: one Slurm job per run through submitit, runs of one shape submitted as a job array.
 
 Each run is a job of `nodes` × `tasks_per_node` tasks (one task per rank). Every task calls
-`slurm_task`, which leaves torch.distributed to `bench.distributed.init_from_env` (it maps
-SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_JOB_NODELIST to RANK / WORLD_SIZE / LOCAL_RANK /
-MASTER_ADDR and derives MASTER_PORT from the job id): no torchrun inside the job. Rank 0 writes the
+`slurm_task`, which leaves torch.distributed to `bench.distributed.init_from_env` (submitit's
+TorchDistributedEnvironment maps the SLURM_* variables to RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR
+and draws MASTER_PORT from the job id): no torchrun inside the job. Rank 0 writes the
 run's row to the results store itself, so a sweep process that dies loses no finished run.
 
 Cluster settings live in named profiles, slurm/profiles/<name>.yaml (keys: PROFILE_KEYS); a sweep file
@@ -20,6 +20,7 @@ from typing import Callable
 
 from bench.config import RunConfig
 from bench.results import classify_error, failure_row
+from bench.sweep.launcher import Launcher
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "profiles"
 
@@ -140,7 +141,7 @@ def slurm_task(cfg_dict: dict, out: str | None, extra: dict) -> dict | None:
     return row
 
 
-class SlurmLauncher:
+class SlurmLauncher(Launcher):
     kind = "slurm"
 
     def __init__(self, profile: SlurmProfile, out: Path, sweep: str, extra: dict):
