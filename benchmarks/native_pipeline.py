@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from bench.config import RunConfig
-from bench.sweep.local import RankPool
+from bench.spawn import RankPool
 
 
 def ideal_bubble(p: int, m: int, v: int) -> float:

@@ -14,6 +14,8 @@ import torch
 
 from bench.config import ConfigError, RunConfig
 from bench.native.pipeline import gpipe, interleaved, one_f_one_b, partition
+from bench.spawn import RankPool
+from parity import reference, run_layouts
 
 # --- the communication formulas (per rank per optimizer step, payload bytes; fp32) -------------------
 
@@ -162,17 +164,15 @@ _REFERENCES: dict = {}
 
 
 def _reference(cfg: RunConfig) -> dict:
-    from bench.native.parity import reference
     key = (cfg.model, cfg.model_overrides, cfg.seed, cfg.global_batch, cfg.seq)
     if key not in _REFERENCES:
         _REFERENCES[key] = reference(cfg)
     return _REFERENCES[key]
 
 
-def check_parity(world: int, cfgs: list[RunConfig]) -> None:
-    from bench.native.parity import run_layouts
+def check_parity(pool, cfgs: list[RunConfig]) -> None:
     failures = []
-    for cfg, got in zip(cfgs, run_layouts(world, cfgs)):
+    for cfg, got in zip(cfgs, run_layouts(pool, cfgs)):
         ref, name = _reference(cfg), _name(cfg)
         if not math.isclose(got["losses"][-1], ref["losses"][-1], rel_tol=1e-5):
             failures.append(f"{name}: loss {got['losses']} vs reference {ref['losses']}")
@@ -198,16 +198,16 @@ def _name(cfg: RunConfig) -> str:
 EIGHT = ("layers=8",)
 
 
-def test_parity_world2():
-    check_parity(2, [
+def test_parity_world2(pools):
+    check_parity(pools(2), [
         RunConfig(tp=2, micro_batches=1, sequence_parallel=True, order="tp-dp-pp"),
         RunConfig(pp=2, micro_batches=2, schedule="gpipe"),
         RunConfig(dp=2, micro_batches=2, zero=1),
     ])
 
 
-def test_parity_world4():
-    check_parity(4, [
+def test_parity_world4(pools):
+    check_parity(pools(4), [
         RunConfig(tp=4, micro_batches=2),
         RunConfig(pp=4, micro_batches=4, schedule="gpipe"),
         RunConfig(pp=4, micro_batches=8, schedule="1f1b"),
@@ -218,7 +218,8 @@ def test_parity_world4():
 
 
 def test_parity_2x2x2():
-    check_parity(8, [RunConfig(tp=2, pp=2, dp=2, micro_batches=4, schedule="1f1b")])
+    with RankPool(8) as pool:  # not kept warm: eight idle ranks would hold memory for the whole session
+        check_parity(pool, [RunConfig(tp=2, pp=2, dp=2, micro_batches=4, schedule="1f1b")])
 
 
 # --- the full grid (slow) -----------------------------------------------------------------------------
@@ -249,7 +250,8 @@ def grid() -> dict[int, list[RunConfig]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_parity_full_grid(world):
-    check_parity(world, grid()[world])
+    with RankPool(world) as pool:
+        check_parity(pool, grid()[world])
 
 
 def test_worker_row_has_native_extras_and_reference_loss(pools):
