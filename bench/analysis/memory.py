@@ -128,7 +128,7 @@ def sharding(cfg) -> tuple[str, int]:
 
 
 def hybrid_shard(cfg, gpus_per_node: int | None = None) -> int:
-    """FSDP hybrid (bench.backends.sharded_init.hybrid_shape): the largest divisor of dp below dp
+    """FSDP hybrid (bench.backends.fsdp.hybrid_shape): the largest divisor of dp below dp
     that fits the dp ranks of one node (all of them when `gpus_per_node` is None: one machine)."""
     per_node = cfg.dp if gpus_per_node is None else _dp_ranks_per_node(cfg, gpus_per_node)
     return max((d for d in range(1, cfg.dp) if cfg.dp % d == 0 and d <= max(per_node, 1)), default=1)
