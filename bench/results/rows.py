@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 
 from bench.config import ConfigError, RunConfig, _digest, model_config
 from bench.environment import environment
-from bench.results.schema import COLUMNS, PROBLEMS, Status, comm_columns
+from bench.results.schema import COLUMNS, PROBLEMS, SCHEMA_VERSION, Status, comm_columns
 
 
 def failure_row(cfg: RunConfig, status: str, error: str, failed_rank: int | None = None) -> dict:
@@ -29,7 +29,8 @@ def skipped_row(run: RunConfig | dict, reason: str) -> dict:
 
 
 def _row(config: dict, status: Status | str, error: str | None, failed_rank: int | None = None) -> dict:
-    return {**config, "status": Status(status).value, "error": error, "failed_rank": failed_rank, **environment()}
+    return {"SCHEMA_VERSION": SCHEMA_VERSION, **config, "status": Status(status).value, "error": error,
+            "failed_rank": failed_rank, **environment()}
 
 
 def _refused_config(params: dict) -> dict:

@@ -181,7 +181,7 @@ DECLARED: list[Column | Family] = [
     Column("peak_flops", "float", "the declared peak FLOP/s of one device (MFU's denominator)", Kind.ENVIRONMENT,
            "FLOP/s", "rank0"),
     _measured("peak_mem_bytes", "float", "bytes", "memory added at the peak of the timed steps (CUDA allocator; "
-              "on CPU the RSS high-water mark after a reset)", "max", Compare.LOWER, floor=2.0**20),
+              "on CPU the RSS high-water mark after a /proc/self/clear_refs reset)", "max", Compare.LOWER, floor=2.0**20),
     _measured("persistent_bytes", "float", "bytes", "local params + grads + optimizer state (shards, not full "
               "tensors)", "max", Compare.EXACT),
     _measured("params_bytes", "float", "bytes", "local parameter bytes", "max", Compare.EXACT),

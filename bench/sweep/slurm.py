@@ -21,6 +21,7 @@ from typing import Callable
 
 from bench.config import RunConfig
 from bench.results import Status, classify_error, failure_row
+from bench.sweep.store import ResultStore
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "profiles"
 
@@ -123,9 +124,9 @@ def load_profile(name: str, overrides: dict | None = None, source: str = "<launc
     return SlurmProfile(name=path.stem, **values)
 
 
-def slurm_task(cfg_dict: dict, store=None, submitted: float | None = None) -> dict | None:
-    """Body of every Slurm task (one per rank). Returns the row on rank 0 (written to `store`, a
-    ResultStore, when given), None on the others. `submitted`: time.time() when the sweep submitted it."""
+def slurm_task(cfg_dict: dict, store: ResultStore, submitted: float) -> dict | None:
+    """Body of every Slurm task (one per rank). Rank 0 writes the row to `store` and returns it; the others
+    return None. `submitted`: time.time() when the sweep submitted the job."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # sbatch exports the submitter's environment: never inherit a rank
     import torch
@@ -137,16 +138,14 @@ def slurm_task(cfg_dict: dict, store=None, submitted: float | None = None) -> di
         return None
     job = os.environ.get("SLURM_ARRAY_JOB_ID")
     row["slurm_job_id"] = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID")
-    if submitted is not None:
-        row["wall_s"] = time.time() - submitted  # includes waiting in the array (clocks of one cluster)
-    # at once, and only here: the row survives a sweep process that died meanwhile
-    return store.write(row) if store is not None else row
+    row["wall_s"] = time.time() - submitted  # includes waiting in the array (the cluster's clocks agree)
+    return store.write(row)  # at once, and only here: the row survives a sweep process that died meanwhile
 
 
 class SlurmLauncher:
     kind = "slurm"
 
-    def __init__(self, profile: SlurmProfile, store, sweep: str):
+    def __init__(self, profile: SlurmProfile, store: ResultStore, sweep: str):
         """`store`: the ResultStore each run's rank 0 writes its row to (its folder also holds the job logs)."""
         self.profile, self.store, self.out, self.sweep = profile, store, store.out, sweep
         self.jobs: list = []

@@ -37,7 +37,7 @@ class ResultStore:
 
     def write(self, row: dict) -> dict:
         """Write one row atomically: a reader (or a resumed sweep) sees the whole row or none. Returns it as written."""
-        row = {"SCHEMA_VERSION": SCHEMA_VERSION, **row, **self.columns}
+        row = {**row, **self.columns}
         self.runs.mkdir(parents=True, exist_ok=True)
         path = self.runs / f"{row['run_id']}.json"
         tmp = self.runs / f".{row['run_id']}.{socket.gethostname()}.{os.getpid()}.tmp"  # unique per writer
