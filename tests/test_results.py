@@ -103,3 +103,21 @@ def test_no_module_spells_the_comm_columns_or_statuses_by_hand():
     offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "bench").rglob("*.py")
                  if p.parent.name != "results" and pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_report_environment_table_shows_declared_environment_columns():
+    from bench.report.tables import ENV_COLUMNS
+    assert all(COLUMNS[name].kind == Kind.ENVIRONMENT for name, _ in ENV_COLUMNS)
+
+
+@pytest.mark.parametrize("cfg", [RunConfig(pp=2, micro_batches=2, steps=2, warmup=1),
+                                 RunConfig(backend="fsdp", dp=2, steps=2, warmup=1)], ids=["native-pp2", "fsdp-dp2"])
+def test_every_column_of_a_real_row_is_declared(pools, cfg):
+    """A new column (a backend extra, a measurement) must be declared before a row carries it."""
+    row = pools(2).run(cfg)
+    assert row["status"] == "ok", row.get("error")
+    assert sorted(set(row) - set(COLUMNS)) == []
+    df = to_dataframe([row])
+    for name in ("bubble_fraction", "dp_buckets", "fsdp_shard", "comm_dp_all_gather_bytes"):
+        if name in row:
+            assert df[name].dtype == "float64", name
