@@ -1,5 +1,6 @@
 """Results store: one JSON file per run, written by atomic rename the moment the run's outcome is
-known, and a pandas DataFrame with a checked schema (exported to results.parquet).
+known, and a pandas DataFrame whose schema (bench.results: columns, types, statuses) is checked
+(exported to results.parquet).
 
 Layout of a sweep output folder OUT:
     OUT/runs/<run_id>.json   one row per run (ok, failed, oom, timeout, cancelled or skipped)
@@ -23,6 +24,7 @@ from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Status
 
 if TYPE_CHECKING:
     import pandas as pd
+
 
 class ResultStore:
     def __init__(self, out: str | Path, columns: dict | None = None):
