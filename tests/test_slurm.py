@@ -81,6 +81,17 @@ def test_two_rank_run_on_slurm(slurm_sweep):
     assert row.loss_last < row.loss_first
 
 
+def test_each_row_is_written_once_by_whoever_knows_it(slurm_sweep):
+    """An ok row is stored by its job's rank 0 (with the sweep's columns and its wall time) and the sweep
+    reports that very row; the failed one is stored by the sweep, which saw the job end."""
+    from bench.sweep.store import ResultStore
+    stored = {r["run_id"]: r for r in ResultStore(slurm_sweep["out"]).rows()}
+    for row in slurm_sweep["outcome"].rows:
+        on_disk = stored[row["run_id"]]
+        assert (on_disk["wall_s"], on_disk["time"], on_disk["hostname"]) == (row["wall_s"], row["time"], row["hostname"])
+        assert on_disk["sweep"] == "slurm-test" and on_disk["launcher"] == "slurm" and on_disk["wall_s"] > 0
+
+
 def test_runs_of_one_shape_go_as_one_job_array(slurm_sweep):
     df = _rows(slurm_sweep["out"])
     singles = df[df.dp == 1]

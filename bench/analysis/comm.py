@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from bench.analysis.memory import block_params_local, hybrid_shard, precision, sharding, stage_params
 from bench.analysis.params import fsdp_group_sizes, native_buckets, numel, stage_chunk_params
 from bench.analysis.schedule import chunk_layers, stage_chunks
+from bench.results import comm_column, comm_columns, comm_op_column
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
 FP32 = 4
@@ -270,14 +271,12 @@ def stage_traffic(cfg, stage: int, mixed_state: str = "zero", gpus_per_node: int
 
 def comm_summary(cfg, mixed_state: str = "zero", gpus_per_node: int | None = None) -> dict:
     """Row columns like the worker's, averaged over ranks (every stage has tp·dp ranks)."""
-    out: dict[str, float] = defaultdict(float)
-    for dim in ("tp", "pp", "dp"):
-        out[f"comm_bytes_{dim}"] = out[f"comm_wire_bytes_{dim}"] = out[f"comm_ops_{dim}"] = 0.0
+    out: dict[str, float] = defaultdict(float, dict.fromkeys(comm_columns(), 0.0))
     for stage in range(cfg.pp):
         for tr in stage_traffic(cfg, stage, mixed_state, gpus_per_node):
-            out[f"comm_bytes_{tr.dim}"] += tr.total / cfg.pp
-            out[f"comm_wire_bytes_{tr.dim}"] += tr.wire / cfg.pp
-            out[f"comm_ops_{tr.dim}"] += tr.ops / cfg.pp
-            out[f"comm_{tr.dim}_{tr.kind}_bytes"] += tr.total / cfg.pp
-            out[f"comm_{tr.dim}_{tr.kind}_ops"] += tr.ops / cfg.pp
+            out[comm_column("bytes", tr.dim)] += tr.total / cfg.pp
+            out[comm_column("wire_bytes", tr.dim)] += tr.wire / cfg.pp
+            out[comm_column("ops", tr.dim)] += tr.ops / cfg.pp
+            out[comm_op_column(tr.dim, tr.kind, "bytes")] += tr.total / cfg.pp
+            out[comm_op_column(tr.dim, tr.kind, "ops")] += tr.ops / cfg.pp
     return dict(out)

@@ -103,6 +103,8 @@ def _shape_from_options(options: dict):
 
 
 def _print_estimate(est: dict) -> None:
+    from bench.layout import DIMS
+    from bench.results import comm_column
     if "world_size" not in est:  # --params
         click.echo(f"{est['params']:.4g} params, dp={est['dp']}, ZeRO-{est['zero']}, {est['dtype']}, per device:")
     else:
@@ -116,8 +118,9 @@ def _print_estimate(est: dict) -> None:
         return
     click.echo(f"  activations per layer and micro-batch: {_gib(est['activation_bytes_per_layer'])}")
     click.echo("communication per step and rank (payload / ring wire):")
-    for dim in ("tp", "pp", "dp"):
-        click.echo(f"  {dim}: {_gib(est[f'comm_bytes_{dim}']):>14} / {_gib(est[f'comm_wire_bytes_{dim}']):>14}")
+    for dim in DIMS:
+        payload, wire = est[comm_column("bytes", dim)], est[comm_column("wire_bytes", dim)]
+        click.echo(f"  {dim}: {_gib(payload):>14} / {_gib(wire):>14}")
     click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")
     if "step_time_s" in est:
         click.echo(f"on {est['hardware']} (links tp {est['links']['tp']}, pp {est['links']['pp']}, "

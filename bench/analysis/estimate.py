@@ -23,6 +23,7 @@ from bench.analysis.hardware import Hardware, get_hardware
 from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memory
 from bench.analysis.schedule import bubble_fraction, bubble_over_ideal
 from bench.config import BatchShape
+from bench.results import comm_columns
 from models.config import flops_per_token, matmul_params
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
@@ -208,8 +209,6 @@ def _predict_row(cfg) -> dict:
     out = {f"pred_{k}": est[k] for k in PRED_KEYS}
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes"):  # max over ranks,
         out[f"pred_{k}"] = max(s[k] for s in est["stages"])  # per column, as the measured row
-    for dim in ("tp", "pp", "dp"):
-        out[f"pred_comm_bytes_{dim}"] = est[f"comm_bytes_{dim}"]
-        out[f"pred_comm_wire_bytes_{dim}"] = est[f"comm_wire_bytes_{dim}"]
-        out[f"pred_comm_ops_{dim}"] = est[f"comm_ops_{dim}"]
+    for name in comm_columns():
+        out[f"pred_{name}"] = est[name]
     return out

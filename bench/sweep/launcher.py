@@ -22,8 +22,9 @@ class Launcher(Protocol):
         """Raise before anything is written when this machine cannot launch at all."""
 
     def launch(self, runs: list[RunConfig], started: Callable[[RunConfig], None],
-               finished: Callable[[RunConfig, dict], None]) -> None:
-        """Run every config; call `started(cfg)` as each starts and `finished(cfg, row)` with its row."""
+               finished: Callable[..., None]) -> None:
+        """Run every config; call `started(cfg)` as each starts and `finished(cfg, row)` with its row
+        (`finished(cfg, row, True)` when the launcher's task already stored it: one writer per row)."""
         ...
 
     def close(self) -> None:

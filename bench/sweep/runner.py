@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.config import RunConfig
-from bench.results import failure_row
+from bench.results import PROBLEMS, Status, skipped_row
 from bench.sweep.launcher import Launcher
 from bench.sweep.spec import Expansion, SweepError, SweepSpec, expand
-from bench.sweep.store import STATUSES, ResultStore
+from bench.sweep.store import ResultStore
 
 
 def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: str | None = None,
@@ -32,7 +32,12 @@ def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: 
         prof = replace(prof, exclusive=True)
     if max_parallel:
         prof = replace(prof, max_parallel=max_parallel)
-    return SlurmLauncher(prof, out, spec.name, {"sweep": spec.name, "launcher": "slurm"})
+    return SlurmLauncher(prof, ResultStore(out, sweep_columns(spec, SlurmLauncher.kind)), spec.name)
+
+
+def sweep_columns(spec: SweepSpec, launcher: str) -> dict:
+    """The columns a sweep adds to each of its rows: the store that writes the row adds them."""
+    return {"sweep": spec.name, "launcher": launcher}
 
 
 @dataclass
@@ -54,7 +59,7 @@ def plan(spec: SweepSpec, launch: Launcher) -> Expansion:
     for cfg in exp.runs:
         reason = launch.unsupported(cfg)
         if reason:
-            exp.skipped.append(failure_row(cfg, "skipped", reason))
+            exp.skipped.append(skipped_row(cfg, reason))
         else:
             runnable.append(cfg)
     exp.runs = runnable
@@ -72,7 +77,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     out = Path(out)
     launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
     exp = plan(spec, launch)
-    store = ResultStore(out)
+    store = ResultStore(out, sweep_columns(spec, launch.kind))
     stored = store.statuses()
     if stored and not (resume or retry_failed):
         raise ValueError(f"{out} already holds {len(stored)} run row(s); add --resume to skip the finished runs "
@@ -82,12 +87,11 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     source = Path(spec.source)
     if source.is_file() and source.resolve() != (out / "sweep.yaml").resolve():
         shutil.copyfile(source, out / "sweep.yaml")
-    extra = {"sweep": spec.name, "launcher": launch.kind}
-    outcome = SweepOutcome(out=out, counts={s: 0 for s in STATUSES}, wall_s=0.0)
+    outcome = SweepOutcome(out=out, counts={s: 0 for s in Status}, wall_s=0.0)
 
-    def record(row: dict) -> None:
-        row = {**row, **extra}
-        store.write(row)
+    def record(row: dict, written: bool = False) -> None:
+        """Store a row once: `written` when its launcher already stored it (a Slurm task writes its own)."""
+        row = row if written else store.write(row)
         outcome.rows.append(row)
         outcome.counts[row["status"]] += 1
 
@@ -96,7 +100,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
         record(row)
     for cfg in exp.runs:
         previous = stored.get(cfg.run_id)
-        if previous == "ok" or (previous is not None and not retry_failed):
+        if previous == Status.OK or (previous is not None and not retry_failed):
             outcome.resumed += 1
         else:
             todo.append(cfg)
@@ -105,8 +109,8 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     if outcome.resumed:
         bar.log(f"resume: {outcome.resumed} run(s) already stored in {out}/runs, not launched")
 
-    def finished(cfg: RunConfig, row: dict) -> None:
-        record(row)
+    def finished(cfg: RunConfig, row: dict, written: bool = False) -> None:
+        record(row, written)
         bar.finished(cfg, row)
 
     try:
@@ -160,8 +164,8 @@ class SweepProgress:
 
     def _text(self) -> str:
         c = self.counts
-        bad = sum(c[s] for s in ("failed", "oom", "timeout", "cancelled"))
-        return f"ok {c['ok']} · running {self.running} · failed {bad} · skipped {c['skipped']}"
+        bad = sum(c[s] for s in PROBLEMS)
+        return f"ok {c[Status.OK]} · running {self.running} · failed {bad} · skipped {c[Status.SKIPPED]}"
 
     def log(self, text: str) -> None:
         if self.enabled:
@@ -175,9 +179,9 @@ class SweepProgress:
         self.running = max(0, self.running - 1)
         self.done += 1
         status = row["status"]
-        colour = {"ok": "green", "skipped": "yellow"}.get(status, "red")
+        colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(status, "red")
         from rich.markup import escape
-        note = "" if status == "ok" else "  " + escape(_first_line(row.get("error")))
+        note = "" if status == Status.OK else "  " + escape(_first_line(row.get("error")))
         wall = row.get("wall_s")
         self.log(f"[{self.done}/{self.total}] [{colour}]{status:9}[/] {describe(cfg)}"
                  + (f"  ({wall:.1f} s)" if wall is not None else "") + note)
@@ -240,11 +244,11 @@ def summary_table(rows: list[dict], title: str):
     table = Table(title=title)
     for name in (*columns, "status", "step ms", "tokens/s", "MFU", "peak MiB", "note"):
         table.add_column(name, overflow="fold", max_width=60 if name == "note" else None)
-    order = {s: i for i, s in enumerate(STATUSES)}
+    order = {s: i for i, s in enumerate(Status)}
     for row in sorted(rows, key=lambda r: (order.get(r["status"], 9), str(r.get("backend")), r.get("world_size") or 0,
                                            str(r.get("tp")), str(r.get("pp")))):
-        ok = row["status"] == "ok"
-        colour = {"ok": "green", "skipped": "yellow"}.get(row["status"], "red")
+        ok = row["status"] == Status.OK
+        colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(row["status"], "red")
         table.add_row(*(_cell(row.get(c)) for c in columns), f"[{colour}]{row['status']}[/]",
                       f"{row['step_time_s'] * 1e3:.1f}" if ok else "",
                       f"{row['tokens_per_s']:.0f}" if ok else "",
@@ -263,7 +267,7 @@ def _cell(value) -> str:
 
 def print_counts(counts: dict) -> str:
     """'ok 3 · failed 1 · …' over every status."""
-    return " · ".join(f"{s} {counts.get(s, 0)}" for s in STATUSES)
+    return " · ".join(f"{s} {counts.get(s, 0)}" for s in Status)
 
 
 def launch_overhead(df):
@@ -275,7 +279,7 @@ def launch_overhead(df):
     run is a fresh job and its wall time counts from the array's submission, so it includes waiting for
     earlier runs of the array: `sacct -o JobID,Submit,Start,End` gives each job's own start-up time."""
     import pandas as pd
-    ok = df[df.status == "ok"].sort_values("time")
+    ok = df[df.status == Status.OK].sort_values("time")
     rows = []
     for (launcher, world), group in ok.groupby(["launcher", "world_size"], sort=True):
         walls = group.wall_s.astype(float)
