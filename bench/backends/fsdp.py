@@ -28,6 +28,7 @@ from bench.backends.sharded_init import (device_mesh, dp_ranks_per_node, hybrid_
                                         reset_dtensor_caches)
 from bench.data import micro_batches
 from bench.metrics.memory import optimizer_tensors
+from bench.schedule import partition, rank_chunks
 from models import GPT, GPTConfig, loss_fn
 from models.gpt import Block, Embedding, _norm
 
@@ -35,14 +36,14 @@ RESHARD = {"full": True, "grad-op": False, "hybrid": True}
 
 
 class StageModule(nn.Module):
-    """Layers [lo, hi) of the GPT, plus the embedding on the first stage and norm + head on the last.
+    """Layers `layer_ids` of the GPT, plus the embedding on the first stage and norm + head on the last.
 
     Parameter names equal the full model's (`blocks.5.attn.qkv.weight`), so `init_value` fills them."""
 
-    def __init__(self, cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool):
+    def __init__(self, cfg: GPTConfig, layer_ids: list[int], first: bool, last: bool):
         super().__init__()
         self.embed = Embedding(cfg) if first else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(lo, hi)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in layer_ids})
         self.norm = _norm(cfg) if last else None
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False) if last else None
 
@@ -58,13 +59,6 @@ class StageModule(nn.Module):
 
 def blocks_of(chunk: nn.Module) -> list[nn.Module]:
     return list(chunk.blocks.values()) if isinstance(chunk.blocks, nn.ModuleDict) else list(chunk.blocks)
-
-
-def stage_layers(layers: int, stages: int, index: int) -> tuple[int, int]:
-    """Layer range [lo, hi) of pipeline stage `index`: an even split, earlier stages take the remainder."""
-    base, extra = divmod(layers, stages)
-    lo = index * base + min(index, extra)
-    return lo, lo + base + (1 if index < extra else 0)
 
 
 def apply_tp(chunk: nn.Module, tp_mesh) -> None:
@@ -131,15 +125,15 @@ class FSDPTrainer(Trainer):
         return cfg.pp * (cfg.virtual_stages if cfg.schedule == "interleaved" else 1)
 
     def _stage_ids(self) -> list[int]:
-        pp, r = self.ctx.cfg.pp, self.ctx.groups.coord.pp
-        return list(range(r, self.n_stages, pp))  # looped: chunk j of pp rank r is stage r + j·pp
+        cfg = self.ctx.cfg
+        return rank_chunks(self.ctx.groups.coord.pp, cfg.pp, self.n_stages // cfg.pp)  # looped, as native
 
     def _build_chunk(self, stage: int) -> nn.Module:
         m = self.ctx.cfg.model_config
         if self.n_stages == 1:
             return meta_module(lambda: GPT(m))
-        lo, hi = stage_layers(m.layers, self.n_stages, stage)
-        return meta_module(lambda: StageModule(m, lo, hi, stage == 0, stage == self.n_stages - 1))
+        ids = partition(m.layers, self.n_stages)[stage]
+        return meta_module(lambda: StageModule(m, ids, stage == 0, stage == self.n_stages - 1))
 
     def _schedule(self):
         from torch.distributed import pipelining as tpp

@@ -14,8 +14,9 @@ import torch.nn as nn
 from bench.backends.base import RunContext, Trainer, make_optimizer
 from bench.data import micro_batches
 from bench.native.data import DataParallel
-from bench.native.pipeline import Pipeline, Stage, partition, stage_layers_json
+from bench.native.pipeline import Pipeline, Stage, stage_layers_json
 from bench.native.tensor import apply_tensor_parallel, materialize
+from bench.schedule import partition, rank_chunks
 from models import GPT
 
 
@@ -36,7 +37,7 @@ def parallelize(model: GPT, groups, cfg, device: torch.device, autocast_dtype=No
     p, v = groups.size("pp"), cfg.virtual_stages
     parts = partition(model.cfg.layers, p * v)
     last = p * v - 1
-    sids = [j * p + groups.coord.pp for j in range(v)]
+    sids = rank_chunks(groups.coord.pp, p, v)
     chunks = [Stage(model, parts[s], s == 0, s == last, cfg.recompute == "full") for s in sids]
     for chunk in chunks:
         materialize(chunk, model.cfg, cfg.seed, device, tp_rank, tp)
