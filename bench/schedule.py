@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # RunConfig's choices
 Action = tuple[str, int, int]  # ("F" | "B", local chunk, micro-batch)
 
 
@@ -80,6 +80,8 @@ def interleaved(m: int, p: int, r: int, v: int, fill_when_m_is_p: bool = True) -
 def schedule(name: str, m: int, p: int, r: int, v: int = 1, fill_when_m_is_p: bool = True) -> list[Action]:
     """Rank r's actions. Without a pipeline (p == 1) interleaving means nothing: 1F1B, i.e.
     gradient accumulation; GPipe keeps its all-forwards-first order."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule is {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name == "interleaved" and p > 1:
         return interleaved(m, p, r, v, fill_when_m_is_p)
     return gpipe(m, p, r) if name == "gpipe" else one_f_one_b(m, p, r)
@@ -176,7 +178,7 @@ def simulate(orders: list[list[Action]], v: int = 1, forward: float = 1, backwar
                 start = max(t, ready)
                 t = f_end[k] = start + forward
                 busy += forward
-                waiting.append((sid + 1) % p)
+                waiting.append((sid + 1) % p)  # the rank that receives its output
             else:
                 ready = b_end[k + m] if sid < last else f_end[k]
                 if ready is None:
@@ -184,7 +186,7 @@ def simulate(orders: list[list[Action]], v: int = 1, forward: float = 1, backwar
                 start = max(t, ready)
                 t = b_end[k] = start + backward
                 busy += backward
-                waiting.append((sid - 1) % p)
+                waiting.append((sid - 1) % p)  # the rank that receives its input gradient
             ts.append(start)
             i += 1
         pos[r], free[r] = i, t
@@ -205,7 +207,7 @@ def simulate_schedule(name: str, m: int, p: int, v: int = 1, fill_when_m_is_p: b
 
 
 @lru_cache(maxsize=4096)
-def step(name: str, m: int, p: int, v: int = 1, fill_when_m_is_p: bool = True) -> Step:
+def schedule_step(name: str, m: int, p: int, v: int = 1, fill_when_m_is_p: bool = True) -> Step:
     """The simulated step of a named schedule at the unit costs, for the cost model.
 
     Once every rank's warm-up is full (m ≥ 2p covers all three schedules) each further micro-batch

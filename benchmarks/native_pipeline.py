@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 
 from bench.config import RunConfig
-from bench.schedule import step
+from bench.schedule import schedule_step
 from bench.sweep.local import RankPool
 
 
 def ideal_bubble(cfg: RunConfig) -> float:
-    return step(cfg.schedule, cfg.micro_batches, cfg.pp, cfg.virtual_stages).bubble_fraction
+    return schedule_step(cfg.schedule, cfg.micro_batches, cfg.pp, cfg.virtual_stages).bubble_fraction
 
 
 def configs(args) -> list[RunConfig]:

@@ -12,8 +12,8 @@ from bench.analysis.estimate import Shape, estimate
 from bench.analysis.memory import stage_memory
 from bench.analysis.stage_plan import stage_plan
 from bench.config import RunConfig
-from bench.schedule import (Deadlock, chunk_rank, interleaved, partition, peak_held, rank_chunks, schedule, simulate,
-                            simulate_schedule, step)
+from bench.schedule import (Deadlock, chunk_rank, interleaved, partition, peak_held, rank_chunks, schedule,
+                            schedule_step, simulate, simulate_schedule)
 
 COSTS = [(1, 2), (1, 1), (2, 3)]  # (forward, backward) per action
 
@@ -130,7 +130,7 @@ def test_step_reuses_the_steady_state_exactly(name, v, p):
         for m in range(1, 8 * p + 1):
             if name == "interleaved" and m % p:
                 continue
-            assert step(name, m, p, v, fill) == simulate_schedule(name, m, p, v, fill).step, (m, fill)
+            assert schedule_step(name, m, p, v, fill) == simulate_schedule(name, m, p, v, fill).step, (m, fill)
 
 
 def test_schedule_module_imports_without_torch():
@@ -159,7 +159,7 @@ def test_cost_model_bubble_is_the_simulated_one():
     shape = Shape(model="llama2-70b", tp=8, pp=8, dp=4, micro_batches=64, seq=4096, schedule="interleaved",
                   virtual_stages=5)
     est = estimate(shape, "h100-sxm", 8)
-    assert est["bubble_fraction"] == step("interleaved", 64, 8, 5).bubble_fraction == 7 / (5 * 64 + 7)
+    assert est["bubble_fraction"] == schedule_step("interleaved", 64, 8, 5).bubble_fraction == 7 / (5 * 64 + 7)
     assert est["bubble_s"] == pytest.approx(est["compute_s"] * 7 / (5 * 64) + est["comm_tp_s"] * 7 / (5 * 64))
 
 

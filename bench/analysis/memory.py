@@ -28,7 +28,9 @@ The constants assume 2-byte activations, 1-byte dropout masks and a GELU MLP of 
 derives them term by term from the model (element bytes e, MLP width f, swiglu) so that they
 reduce exactly to Table 2 in that case; `ActivationModel("suite")` describes this suite's GPT
 (no dropout, fused attention that saves no s×s matrix). Beyond the layers, the last stage holds
-the logits and the loss's fp32 softmax for the micro-batches in flight there. With the `suite`
+the logits and the loss's fp32 softmax for the micro-batches in flight there. How many layer- and
+micro-batches each rank holds at its peak is read off the action lists its backend runs
+(`bench.analysis.stage_plan`, `bench.schedule`). With the `suite`
 model and the `autocast` state convention, the fp32 norm inputs and the per-forward bf16 weight
 copies that torch.autocast saves are added (`_autocast_extra_per_layer`).
 """

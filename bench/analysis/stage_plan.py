@@ -6,7 +6,7 @@ the embedding (chunk 0) or the head (the last chunk), its parameters (its tp sha
 sharding), and the activations in flight at its peak — read off the action lists its backend runs
 (`bench.schedule`), as is the step's bubble. Per config: how the dp group shards the model state.
 The per-parameter detail (native gradient buckets, FSDP2 groups, ZeRO-3 parameter sizes) is
-computed on first use, since each backend needs only its own.
+looked up on demand through the plan (cached per rank shape), since each backend needs only its own.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from functools import lru_cache, partial
 
 from bench.analysis.memory import rank_params, sharding
 from bench.analysis.params import fsdp_group_sizes, native_buckets, numel, stage_chunk_params
-from bench.schedule import Step, partition, rank_chunks, rank_peak, step
+from bench.schedule import Step, partition, rank_chunks, rank_peak, schedule_step
 from models.config import GPTConfig
 
 
@@ -40,6 +40,9 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class StagePlan:
+    """One config's plan: the schedule its backend runs, the simulated step, the dp sharding, and
+    the planned pipeline ranks."""
+
     cfg: object  # the RunConfig-like config planned
     gpus_per_node: int | None  # None: one machine
     schedule: str  # the action lists its backend runs
@@ -108,5 +111,6 @@ def stage_plan(cfg, gpus_per_node: int | None = None, stages=None) -> StagePlan:
     name, fill = executed_schedule(cfg)
     shape = (cfg.model_config, cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batches, name, fill)
     stages = range(cfg.pp) if stages is None else stages
-    return StagePlan(cfg, gpus_per_node, name, fill, step(name, cfg.micro_batches, cfg.pp, cfg.virtual_stages, fill),
-                     *sharding(cfg, gpus_per_node), {s: rank_plan(*shape, s) for s in stages})
+    run = schedule_step(name, cfg.micro_batches, cfg.pp, cfg.virtual_stages, fill)
+    return StagePlan(cfg, gpus_per_node, name, fill, run, *sharding(cfg, gpus_per_node),
+                     {s: rank_plan(*shape, s) for s in stages})
