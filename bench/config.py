@@ -12,6 +12,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from bench.layout import ORDERS
+from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
 
 
@@ -25,7 +26,6 @@ def _f(default, help: str, choices: tuple | None = None, in_id: bool = True):
 
 
 BACKENDS = ("native", "deepspeed", "fsdp", "ddp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 FSDP_MODES = ("full", "grad-op", "hybrid", "none")
 DTYPES = ("fp32", "bf16-mixed", "fp16-mixed")
 RECOMPUTE = ("none", "selective", "full")

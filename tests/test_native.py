@@ -1,4 +1,5 @@
-"""Native 3D engine: schedules (pure), validation, and parity + communication on real gloo processes.
+"""Native 3D engine: validation, and parity + communication on real gloo processes (its schedules:
+tests/test_schedule.py).
 
 Parity: every layout reproduces the single-process reference — loss after 3 steps within 1e-5
 relative, step-1 gradients of every parameter (reassembled from shards) under
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from bench.config import ConfigError, RunConfig
-from bench.native.pipeline import gpipe, interleaved, one_f_one_b, partition
+from bench.schedule import partition
 from bench.spawn import RankPool
 from parity import reference, run_layouts
 
@@ -77,66 +78,6 @@ def expected_comm(cfg: RunConfig) -> dict[str, float]:
             else:
                 add("dp", 4 * n, len(buckets))
     return out
-
-
-# --- pure: partition and schedules ---------------------------------------------------------------------
-
-
-def test_partition_is_contiguous_and_balanced():
-    assert partition(4, 2) == [[0, 1], [2, 3]]
-    assert partition(5, 2) == [[0, 1, 2], [3, 4]]
-    parts = partition(10, 4)
-    assert sum(parts, []) == list(range(10)) and max(map(len, parts)) - min(map(len, parts)) <= 1
-
-
-def _orders(name, m, p, v=1):
-    fn = {"gpipe": lambda r: gpipe(m, p, r), "1f1b": lambda r: one_f_one_b(m, p, r),
-          "interleaved": lambda r: interleaved(m, p, r, v)}[name]
-    return [fn(r) for r in range(p)]
-
-
-def _simulate(orders, p, v, m) -> int:
-    """Run the schedules against each other with async sends and blocking receives.
-
-    Returns the peak number of micro-batches in flight on any rank; fails on deadlock."""
-    sent, pos, in_flight, peak = set(), [0] * p, [0] * p, 0
-    last = p * v - 1
-    while any(pos[r] < len(orders[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            if pos[r] == len(orders[r]):
-                continue
-            kind, chunk, mb = orders[r][pos[r]]
-            sid = chunk * p + r
-            need = ("act", sid, mb) if kind == "F" and sid > 0 else ("grad", sid, mb) if kind == "B" and sid < last \
-                else None
-            if need is not None and need not in sent:
-                continue  # blocked on its receive
-            sent.add(("act", sid + 1, mb) if kind == "F" else ("grad", sid - 1, mb))
-            in_flight[r] += 1 if kind == "F" else -1
-            peak = max(peak, in_flight[r])
-            pos[r] += 1
-            progressed = True
-        assert progressed, f"deadlock at positions {pos}"
-    return peak
-
-
-@pytest.mark.parametrize("p,m", [(2, 1), (2, 2), (2, 4), (4, 1), (4, 4), (4, 8), (4, 16)])
-def test_schedules_complete_without_deadlock(p, m):
-    for name in ("gpipe", "1f1b"):
-        orders = _orders(name, m, p)
-        for order in orders:
-            assert sorted(order) == sorted([("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)])
-        peak = _simulate(orders, p, 1, m)
-        assert peak == (m if name == "gpipe" else min(p, m))  # 1F1B: at most p micro-batches in flight
-
-
-@pytest.mark.parametrize("p,v,m", [(2, 1, 2), (4, 1, 8), (2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (2, 4, 8)])
-def test_interleaved_schedule_completes(p, v, m):
-    orders = _orders("interleaved", m, p, v)
-    for order in orders:
-        assert sorted(order) == sorted([(k, c, i) for k in "FB" for c in range(v) for i in range(m)])
-    _simulate(orders, p, v, m)
 
 
 # --- validation -------------------------------------------------------------------------------------

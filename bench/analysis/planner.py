@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, fields
 
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
+from bench.analysis.stage_plan import stage_plan
 from bench.analysis.hardware import Hardware, get_hardware
 from models.config import get_preset
 
@@ -163,13 +164,14 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
             continue
         seen.add(key)
         valid += 1
-        mem = memory(shape, mixed_state, activations, extreme_stages(shape.pp))
+        stages = stage_plan(shape, gpus_per_node, extreme_stages(shape.pp))
+        mem = memory(stages, mixed_state, activations)
         if mem["total_bytes"] > limit:
             parts = {k: mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")}
             dropped[f"out of memory (> {memory_fraction:.0%} of {hw.memory_bytes / 2**30:.0f} GiB; "
                     f"largest part: {max(parts, key=parts.get).removesuffix('_bytes')})"] += 1
             continue
-        time = predict_time(shape, hw, gpus_per_node, mixed_state, extreme_stages(shape.pp))
+        time = predict_time(stages, hw, mixed_state)
         results.append((shape, mem, time))
     results.sort(key=lambda r: (-round(r[2]["tokens_per_s"], 3), r[1]["total_bytes"]))  # ties: less memory
     return Plan([_row(*r) for r in results[:top]], considered, valid, len(results), dropped)

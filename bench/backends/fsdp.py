@@ -36,6 +36,7 @@ from bench.backends.base import RunContext, Trainer, make_optimizer
 from bench.data import micro_batches
 from bench.layout import Layout
 from bench.metrics.memory import optimizer_tensors
+from bench.schedule import partition, rank_chunks
 from bench.surgery import cut_stages, materialize, meta_module, recompute_blocks
 from models import GPT, loss_fn
 
@@ -44,13 +45,6 @@ RESHARD = {"full": True, "grad-op": False, "hybrid": True}
 
 def blocks_of(chunk: nn.Module) -> list[nn.Module]:
     return list(chunk.blocks.values()) if isinstance(chunk.blocks, nn.ModuleDict) else list(chunk.blocks)
-
-
-def stage_layers(layers: int, stages: int, index: int) -> tuple[int, int]:
-    """Layer range [lo, hi) of pipeline stage `index`: an even split, earlier stages take the remainder."""
-    base, extra = divmod(layers, stages)
-    lo = index * base + min(index, extra)
-    return lo, lo + base + (1 if index < extra else 0)
 
 
 def apply_tp(chunk: nn.Module, tp_mesh) -> None:
@@ -164,8 +158,8 @@ class FSDPTrainer(Trainer):
         return cfg.pp * (cfg.virtual_stages if cfg.schedule == "interleaved" else 1)
 
     def _stage_ids(self) -> list[int]:
-        pp, r = self.ctx.cfg.pp, self.ctx.groups.coord.pp
-        return list(range(r, self.n_stages, pp))  # looped: chunk j of pp rank r is stage r + j·pp
+        cfg = self.ctx.cfg
+        return rank_chunks(self.ctx.groups.coord.pp, cfg.pp, self.n_stages // cfg.pp)  # looped, as native
 
     def _cut_chunks(self) -> list[nn.Module]:
         """This rank's model chunks on meta: the whole GPT, or its pipeline stages (full-model names)."""
@@ -173,8 +167,7 @@ class FSDPTrainer(Trainer):
         gpt = meta_module(lambda: GPT(m))
         if self.n_stages == 1:
             return [gpt]
-        parts = [list(range(*stage_layers(m.layers, self.n_stages, s))) for s in range(self.n_stages)]
-        return cut_stages(gpt, parts, self.stage_ids)
+        return cut_stages(gpt, partition(m.layers, self.n_stages), self.stage_ids)
 
     def _schedule(self):
         from torch.distributed import pipelining as tpp

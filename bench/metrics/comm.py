@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from bench.analysis.comm import wire_bytes  # the one ring rule, shared with the cost model
 from bench.results import comm_column, comm_op_column
 
 # c10d op → (kind, index of the tensor argument that carries the payload)
@@ -41,19 +42,6 @@ _FUNCOL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
 
 def _nbytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(x) if isinstance(t, torch.Tensor))
-
-
-def wire_bytes(kind: str, payload: int, n: int) -> float:
-    """Bytes one rank moves for `payload` under a ring algorithm in a group of n ranks."""
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * payload
-    if kind == "all_gather":  # payload is the gathered output
-        return (n - 1) / n * payload
-    if kind == "reduce_scatter":  # payload is the full input
-        return (n - 1) / n * payload
-    return float(payload)
 
 
 @dataclass

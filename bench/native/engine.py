@@ -14,8 +14,9 @@ import torch.nn as nn
 from bench.backends.base import RunContext, Trainer, make_optimizer
 from bench.data import micro_batches
 from bench.native.data import DataParallel
-from bench.native.pipeline import Pipeline, partition, stage_layers_json
+from bench.native.pipeline import Pipeline, stage_layers_json
 from bench.native.tensor import apply_tensor_parallel
+from bench.schedule import partition, rank_chunks
 from bench.surgery import Stage, cut_stages, materialize, recompute_blocks
 from models import GPT
 
@@ -36,7 +37,7 @@ def parallelize(model: GPT, groups, cfg, device: torch.device, autocast_dtype=No
     apply_tensor_parallel(model, cfg, groups.tp, tp_rank, tp)
     p, v = groups.size("pp"), cfg.virtual_stages
     parts = partition(model.cfg.layers, p * v)
-    chunks = cut_stages(model, parts, [j * p + groups.coord.pp for j in range(v)])
+    chunks = cut_stages(model, parts, rank_chunks(groups.coord.pp, p, v))
     for chunk in chunks:
         if cfg.recompute == "full":
             recompute_blocks(chunk)
