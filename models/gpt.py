@@ -46,6 +46,8 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(B, T, -1, self.group + 2, self.head_dim)
         q, k, v = qkv.split((self.group, 1, 1), dim=3)
         q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)  # (B, T, nh, hd), (B, T, nkv, hd) × 2
+        if self.group > 1:  # flatten copied q (its heads are strided); copying K and V as well frees the
+            k, v = k.contiguous(), v.contiguous()  # fused output, so backward keeps K and V at kv_heads' size
         if self.rope:
             q, k = rope(q), rope(k)
         # enable_gqa: query head i reads K/V head i // group (the order of the flatten above) without
