@@ -51,7 +51,9 @@ def assert_predicted_equals_measured(row: dict) -> None:
     dict(backend="ddp", dp=2, micro_batch=2),
     dict(backend="fsdp", fsdp="full", tp=2, micro_batch=4),
     dict(backend="fsdp", fsdp="full", dp=2, micro_batch=2),
+    dict(backend="fsdp", fsdp="full", pp=2, micro_batch=2, micro_batches=2),
     dict(backend="deepspeed", tp=2, micro_batch=4),
+    dict(backend="deepspeed", pp=2, micro_batch=2, micro_batches=2),
 ], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_gqa_world2_parity_and_predicted_comm(pools, reference, kw):
     row = run_ok(pools, **kw)
@@ -125,3 +127,14 @@ def test_measured_activation_memory_follows_the_grouping(pools):
     saved = predicted[0] - predicted[1]
     assert saved == 4 * 2 * (256 - 2 * 32) * 8 * 128 * 4  # e · 2 · (h − kv) · tokens · layers
     assert peaks[0] - peaks[1] == pytest.approx(saved, rel=0.2)
+
+
+def test_sweep_skips_a_tp_that_does_not_divide_kv_heads(tmp_path):
+    from bench.sweep.spec import expand, load_sweep
+    path = tmp_path / "gqa.yaml"
+    path.write_text("name: gqa\nmodel: {preset: tiny, kv_heads: 2}\nworld_size: 4\n"
+                    "grid: {tp: [1, 2, 4], dp: auto}\nlauncher: local\n")
+    out = expand(load_sweep(path))
+    assert sorted(c.tp for c in out.runs) == [1, 2]
+    assert [row["tp"] for row in out.skipped] == [4]
+    assert "model kv_heads (2) is not divisible by tp (4)" in out.skipped[0]["error"]
