@@ -172,6 +172,8 @@ def _split_kv(item: str, name: str) -> tuple[str, str]:
 def _coerce(value, type_name: str):
     if not isinstance(value, str):
         return value
+    if type_name == "int | None":  # kv_heads=none: back to the default (= heads)
+        return None if value.lower() in ("none", "null") else int(value)
     if type_name == "int":
         return int(value)
     if type_name == "bool":
@@ -225,7 +227,9 @@ def _validate(cfg: RunConfig) -> None:
 
 def _validate_model_fit(cfg: RunConfig) -> None:
     m = cfg.model_config
-    for what, value in (("heads", m.heads), ("ffn_hidden", m.ffn_hidden), ("vocab", m.vocab)):
+    # kv_heads: tensor parallel splits whole query groups with their K/V head (no K/V replication)
+    for what, value in (("heads", m.heads), ("kv_heads", m.num_kv_heads), ("ffn_hidden", m.ffn_hidden),
+                        ("vocab", m.vocab)):
         if value % cfg.tp:
             raise ConfigError(f"model {what} ({value}) is not divisible by tp ({cfg.tp}); "
                               f"pick tp from the divisors of {value}")

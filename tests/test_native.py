@@ -26,7 +26,8 @@ def _local_params(m, tp: int, n_layers: int, first: bool, last: bool) -> tuple[i
     h, f, V = m.hidden, m.ffn_hidden, m.vocab
     up = 2 * f if m.activation == "swiglu" else f
     norm = h * (2 if m.norm == "layernorm" else 1)
-    sharded = (3 * h * h + h * h + up * h + f * h) // tp + ((3 * h + up) // tp if m.bias else 0)
+    qkv = m.qkv_out  # 3h, or h + 2·kv_heads·head_dim with grouped-query attention
+    sharded = (qkv * h + h * h + up * h + f * h) // tp + ((qkv + up) // tp if m.bias else 0)
     replicated = 2 * norm + (2 * h if m.bias else 0)
     n, n_sp = n_layers * (sharded + replicated), n_layers * replicated
     pos = m.seq_len * h if m.position == "learned" else 0
@@ -85,6 +86,8 @@ def expected_comm(cfg: RunConfig) -> dict[str, float]:
 
 @pytest.mark.parametrize("kwargs,words", [
     (dict(tp=3), ["heads", "tp (3)"]),
+    (dict(model="tiny-gqa", tp=4), ["kv_heads (2)", "tp (4)"]),
+    (dict(model="tiny", model_overrides=("kv_heads=3",)), ["kv_heads (3)", "divide model.heads (4)"]),
     (dict(pp=8), ["layers (4)", "pp (8)"]),
     (dict(pp=2, schedule="interleaved", micro_batches=3), ["micro_batches (3)", "pp (2)"]),
     (dict(pp=2, schedule="interleaved", virtual_stages=4), ["layers (4)", "virtual_stages"]),
@@ -155,6 +158,19 @@ def test_parity_world4(pools):
         RunConfig(pp=4, micro_batches=4, schedule="interleaved", virtual_stages=2, model_overrides=EIGHT),
         RunConfig(tp=2, pp=2, micro_batches=4, sequence_parallel=True, order="tp-dp-pp"),
         RunConfig(pp=2, dp=2, micro_batches=2, schedule="interleaved", virtual_stages=2, zero=1),
+    ])
+
+
+def test_parity_grouped_query_attention_world2():
+    # tiny-gqa: 4 query heads sharing 2 K/V heads (tp 2: one whole group per rank); tiny-llama adds
+    # rotary positions, RMSNorm and SwiGLU to the same grouping, with biases off.
+    gqa = dict(model="tiny-gqa")
+    check_parity(2, [
+        RunConfig(**gqa, tp=2, micro_batches=1),
+        RunConfig(**gqa, tp=2, micro_batches=2, sequence_parallel=True, model_overrides=("bias=true",)),
+        RunConfig(**gqa, pp=2, micro_batches=2, schedule="1f1b"),
+        RunConfig(**gqa, dp=2, micro_batches=2),
+        RunConfig(model="tiny-llama", tp=2, micro_batches=1),
     ])
 
 

@@ -95,7 +95,8 @@ def tp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         return [Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"),
                 Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)")]
     out = []
-    if cfg.backend == "deepspeed":  # the overflow / gradient-norm check also reduces over model parallel
+    if cfg.backend == "deepspeed" and cfg.zero:  # ZeRO's overflow / gradient-norm check also reduces over
+        # model parallel (ZeRO-0 has none: measured 21 tp ops, not 22, for tiny at tp 2)
         out.append(Traffic("tp", "all_reduce", FP32, 1, t, "gradient-norm scalar", "step"))
     if not cfg.sequence_parallel:
         out.append(Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"))
@@ -139,9 +140,11 @@ def pp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         out.append(Traffic("pp", "send", msg, bwd * mb, 2, "grads to previous stage"))
     # the counter sees each receive as an op of 0 bytes
     out.append(Traffic("pp", "recv", 0, (fwd + bwd) * mb, 2, "receives (counted as ops)"))
-    if cfg.backend == "deepspeed":  # its pipeline engine's bookkeeping, as measured: overflow flag, loss
-        out += [Traffic("pp", "all_reduce", FP32, 1, cfg.pp, "overflow check", "step"),
-                Traffic("pp", "broadcast", 2 * FP32, 1, cfg.pp, "loss from the last stage", "step")]
+    if cfg.backend == "deepspeed":  # its pipeline engine's bookkeeping, as measured: loss, and with a ZeRO
+        # optimizer (stage ≥ 1) its overflow flag (ZeRO-0: 5 pp ops measured for tiny at pp 2, not 6)
+        if cfg.zero:
+            out.append(Traffic("pp", "all_reduce", FP32, 1, cfg.pp, "overflow check", "step"))
+        out.append(Traffic("pp", "broadcast", 2 * FP32, 1, cfg.pp, "loss from the last stage", "step"))
     return out
 
 

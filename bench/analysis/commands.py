@@ -69,8 +69,10 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
         est = estimate_params(n_params, options["dp"] or 1, int(options["zero"] or 0),
                               options["dtype"] or "bf16-mixed", mixed_state)
     else:
+        from models.config import count_params
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
-        est = predict(cfg, hardware, gpus_per_node, mixed_state, activations)
+        est = {"params": count_params(cfg.model_config), **predict(cfg, hardware, gpus_per_node, mixed_state,
+                                                                   activations)}
     if as_json:
         echo_json(est)
         return
@@ -108,7 +110,8 @@ def _print_estimate(est: dict) -> None:
     if "world_size" not in est:  # --params
         click.echo(f"{est['params']:.4g} params, dp={est['dp']}, ZeRO-{est['zero']}, {est['dtype']}, per device:")
     else:
-        click.echo(f"per rank (stage {est['worst_stage']}, the largest), {est['mixed_state']} state convention, "
+        click.echo(f"{est['params']:,} parameters; per rank (stage {est['worst_stage']}, the largest), "
+                   f"{est['mixed_state']} state convention, "
                    f"{est['activations']} activations:")
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
                 "total_bytes"):

@@ -25,7 +25,8 @@ in Large Transformer Models", Table 2, with s = seq, b = micro-batch, h = hidden
     + selective recompute  drops the 5·a·s/h terms (attention scores recomputed)
     full recompute         2·s·b·h (the layer input only; ÷ t with sequence parallel)
 The constants assume 2-byte activations, 1-byte dropout masks and a GELU MLP of 4h. This module
-derives them term by term from the model (element bytes e, MLP width f, swiglu) so that they
+derives them term by term from the model (element bytes e, MLP width f, swiglu, and K and V at
+their grouped width kv_heads·head_dim under grouped-query attention) so that they
 reduce exactly to Table 2 in that case; `ActivationModel("suite")` describes this suite's GPT
 (no dropout, fused attention that saves no s×s matrix). Beyond the layers, the last stage holds
 the logits and the loss's fp32 softmax for the micro-batches in flight there. How many layer- and
@@ -163,7 +164,8 @@ def layer_activation_bytes(m: GPTConfig, b: int, s: int, tp: int = 1, sp: bool =
     # norm inputs (2), qkv input, fc1 input, and the two residual dropout masks: not split by tp
     replicated = 4 * e * h + 2 * mask * h
     mlp = e * (4 * f if m.activation == "swiglu" else 2 * f)  # gelu: fc1 out + fc2 in; swiglu: + gate
-    split = e * 4 * h + mlp  # Q, K, V, proj input, MLP internals
+    kv = m.num_kv_heads * m.head_dim  # = h without grouped-query attention
+    split = e * (2 * h + 2 * kv) + mlp  # Q, K, V, proj input, MLP internals
     if recompute == "selective" or act.flash:
         scores = 4 * a if act.flash and recompute != "selective" else 0  # fused kernel: fp32 log-sum-exp
     else:
@@ -177,7 +179,7 @@ def _autocast_extra_per_layer(m: GPTConfig, tokens: int, tp: int, sp: bool) -> f
     are saved in fp32 (+2 bytes each per element), and every forward saves its own bf16 copy of
     the layer's matmul weights for backward (the cast cache lives for one autocast region)."""
     up = 2 * m.ffn_hidden if m.activation == "swiglu" else m.ffn_hidden
-    weights = (4 * m.hidden * m.hidden + m.hidden * up + m.ffn_hidden * m.hidden) / tp
+    weights = (m.hidden * (m.qkv_out + m.hidden) + m.hidden * up + m.ffn_hidden * m.hidden) / tp
     return tokens * 2 * 2 * m.hidden / (tp if sp else 1) + 2 * weights
 
 

@@ -36,7 +36,7 @@ def block(m: GPTConfig, i: int, tp: int = 1, vocab_parallel_tp: bool = True) -> 
     h, f, p = m.hidden, m.ffn_hidden, f"blocks.{i}"
     up = 2 * f if m.activation == "swiglu" else f
     return (_norm(m, f"{p}.ln1")
-            + _linear(f"{p}.attn.qkv", 3 * h, h, m.bias, True, False, tp, True)
+            + _linear(f"{p}.attn.qkv", m.qkv_out, h, m.bias, True, False, tp, True)
             + _linear(f"{p}.attn.proj", h, h, m.bias, False, True, tp, False)
             + _norm(m, f"{p}.ln2")
             + _linear(f"{p}.mlp.fc1", up, h, m.bias, True, False, tp, True)

@@ -1,7 +1,7 @@
 """The planner: every valid parallel config for a model, cluster and batch, ranked by predicted
 throughput.
 
-Enumerated: tp (dividing heads, ffn, vocab and the GPU count), pp (dividing what is left, ≤ layers),
+Enumerated: tp (dividing kv heads, ffn, vocab and the GPU count), pp (dividing what is left, ≤ layers),
 dp = gpus / (tp·pp) dividing the global batch; the micro-batch size b (m = B / (dp·b)); the
 schedule (gpipe, 1f1b, interleaved with every v that divides the layers); the model-state sharding
 (native ZeRO 0/1, DeepSpeed ZeRO 2/3, FSDP full/grad-op/hybrid); sequence parallel; recomputation;
@@ -98,7 +98,7 @@ def candidates(model: str, gpus: int, global_batch: int, seq: int, dtype: str, g
     """Every Shape to consider (before validation), with a few structural skips counted by the caller."""
     m = get_preset(model)
     for tp in divisors(gpus):
-        if m.heads % tp or m.ffn_hidden % tp or m.vocab % tp:
+        if m.num_kv_heads % tp or m.ffn_hidden % tp or m.vocab % tp:  # kv_heads divides heads
             continue
         for pp in divisors(gpus // tp):
             if pp > m.layers:

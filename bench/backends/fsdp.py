@@ -2,7 +2,8 @@
 
 Applied in the fixed order TP → PP → (recompute) → DP (torchtitan-style), on one DeviceMesh built from our Layout:
 - TP: `parallelize_module` on the mesh's tp dim: qkv and fc1 Colwise, proj and fc2 Rowwise (the fused
-  qkv is laid out (heads, 3, head_dim), so a contiguous Colwise shard is whole heads). Embedding,
+  qkv is laid out (kv_heads, group + 2, head_dim), so a contiguous Colwise shard is whole query groups
+  with their K/V head; tp divides kv_heads, checked by RunConfig). Embedding,
   norms and LM head stay replicated over tp (their grads are identical on every tp rank).
 - PP: `torch.distributed.pipelining` stages cut from the GPT (embed on the first stage, norm + head on
   the last); gpipe → ScheduleGPipe, 1f1b → Schedule1F1B, interleaved → ScheduleInterleaved1F1B with

@@ -5,7 +5,9 @@ column-parallel linear and left by a row-parallel one, so each region costs one 
 forward and its conjugate in backward (tensor_comm). With p = tp ranks:
 
     column-parallel  Y = X [A_1 … A_p]         rank i holds A_i (out/p rows of the weight):
-                                               attn.qkv (whole heads), mlp.fc1, head (vocab rows)
+                                               attn.qkv (whole query groups with their K/V
+                                               head: tp must divide kv_heads, K/V are never
+                                               replicated), mlp.fc1, head (vocab rows)
     row-parallel     Y = Σ_i X_i B_i           rank i holds B_i (in/p columns): attn.proj, mlp.fc2;
                                                the (replicated) bias is added once, after the sum
     vocab-parallel   embedding rows [i·V/p, (i+1)·V/p); tokens outside give zeros, the sum over
@@ -97,7 +99,7 @@ def apply_tensor_parallel(model: nn.Module, run_cfg, group, rank: int, tp: int) 
     up = 2 * f if cfg.activation == "swiglu" else f
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(h, 3 * h // tp, bias=cfg.bias, device=device)
+        attn.qkv = ColumnParallelLinear(h, cfg.qkv_out // tp, bias=cfg.bias, device=device)
         attn.proj = RowParallelLinear(h // tp, h, cfg.bias, device)
         mlp.fc1 = ColumnParallelLinear(h, up // tp, bias=cfg.bias, device=device)
         mlp.fc2 = RowParallelLinear(f // tp, h, cfg.bias, device)
