@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from bench.schedule import SCHEDULES
+
 if TYPE_CHECKING:
     from bench.config import RunConfig
 
-# The values of RunConfig's choice fields (RunConfig takes its choices from here; each backend runs a subset).
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# The values of RunConfig's choice fields (RunConfig takes its choices from here and bench.schedule's
+# SCHEDULES; each backend runs a subset).
 FSDP_MODES = ("full", "grad-op", "hybrid", "none")
 DTYPES = ("fp32", "bf16-mixed", "fp16-mixed")
 RECOMPUTE = ("none", "selective", "full")

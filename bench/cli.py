@@ -35,6 +35,8 @@ def run(launcher, as_json, **options):
 
 
 def _print_row(row: dict) -> None:
+    from bench.layout import DIMS
+    from bench.results import comm_column
     if row["status"] != "ok":
         click.echo(f"status: {row['status']}\n{row['error']}")
         return
@@ -44,10 +46,10 @@ def _print_row(row: dict) -> None:
                f"MFU {row['mfu']:.2%}")
     click.echo(f"peak step memory {row['peak_mem_bytes'] / 2**20:.1f} MiB/rank   "
                f"persistent {row['persistent_bytes'] / 2**20:.1f} MiB/rank")
-    for dim in ("tp", "pp", "dp"):
-        click.echo(f"comm {dim}: {row.get(f'comm_bytes_{dim}', 0) / 2**20:.3f} MiB/step payload, "
-                   f"{row.get(f'comm_wire_bytes_{dim}', 0) / 2**20:.3f} MiB wire, "
-                   f"{row.get(f'comm_ops_{dim}', 0):.0f} ops")
+    for dim in DIMS:
+        click.echo(f"comm {dim}: {row.get(comm_column('bytes', dim), 0) / 2**20:.3f} MiB/step payload, "
+                   f"{row.get(comm_column('wire_bytes', dim), 0) / 2**20:.3f} MiB wire, "
+                   f"{row.get(comm_column('ops', dim), 0):.0f} ops")
 
 
 def _register_groups() -> None:

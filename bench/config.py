@@ -19,9 +19,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from typing import Any
 
-from bench.capabilities import (BACKENDS, CAPABILITIES, DTYPES, FSDP_MODES, RECOMPUTE, SCHEDULES, ZERO_STAGES,
-                                unsupported_reason)
+from bench.capabilities import BACKENDS, CAPABILITIES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES, unsupported_reason
 from bench.layout import ORDERS
+from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
 
 
@@ -138,11 +138,12 @@ class RunConfig(BatchShape):
 
 
 @lru_cache(maxsize=None)
-def field_types() -> dict[str, tuple[type, bool]]:
-    """Each RunConfig field's value type (int, float, bool, str or tuple) and whether None is allowed,
-    from the annotations as Python evaluates them: the CLI and the sweep-file schema are built from it."""
+def field_types(cls: type = None) -> dict[str, tuple[type, bool]]:
+    """Each field's value type (int, float, bool, str or tuple) and whether None is allowed, from the
+    annotations as Python evaluates them, of RunConfig (default) or another dataclass such as GPTConfig:
+    the CLI, the sweep-file schema and model overrides given as text are typed by it."""
     out = {}
-    for name, hint in typing.get_type_hints(RunConfig).items():
+    for name, hint in typing.get_type_hints(cls or RunConfig).items():
         args = typing.get_args(hint)
         out[name] = (next(a for a in args if a is not type(None)), True) if args else (hint, False)
     return out
@@ -183,7 +184,7 @@ def _model_config(preset: str, items: tuple) -> GPTConfig:
         cfg = get_preset(preset)
         if not parsed:
             return cfg
-        return cfg.with_overrides(**{k: _coerce(k, v, getattr(cfg, k, "")) for k, v in parsed.items()})
+        return cfg.with_overrides(**{k: _coerce(k, v) for k, v in parsed.items()})
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -195,18 +196,22 @@ def _split_kv(item: str, name: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def _coerce(key: str, value, current):
-    """An override given as text takes the type of the preset's value it replaces."""
-    if not isinstance(value, str) or isinstance(current, str):
-        return value
-    if isinstance(current, bool):
+def _coerce(key: str, value):
+    """An override given as text (KEY=VALUE) as the GPTConfig field's type; none/null for an optional field
+    (kv_heads=none: back to its default)."""
+    if not isinstance(value, str) or key not in field_types(GPTConfig):
+        return value  # an unknown key: with_overrides names it
+    kind, optional = field_types(GPTConfig)[key]
+    if optional and value.lower() in ("none", "null"):
+        return None
+    if kind is bool:
         if value.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             raise ConfigError(f"model_overrides {key}={value}: {key} must be true or false")
         return value.lower() in ("1", "true", "yes", "on")
     try:
-        return type(current)(value)
+        return kind(value)
     except ValueError:
-        raise ConfigError(f"model_overrides {key}={value}: {key} must be {type(current).__name__}") from None
+        raise ConfigError(f"model_overrides {key}={value}: {key} must be {kind.__name__}") from None
 
 
 def _normalize(cfg: RunConfig) -> None:
@@ -265,7 +270,9 @@ def structural_reason(shape) -> str | None:
 
 def _model_fit_reason(cfg) -> str | None:
     m = cfg.model_config
-    for what, value in (("heads", m.heads), ("ffn_hidden", m.ffn_hidden), ("vocab", m.vocab)):
+    # kv_heads: tensor parallel splits whole query groups with their K/V head (no K/V replication)
+    for what, value in (("heads", m.heads), ("kv_heads", m.num_kv_heads), ("ffn_hidden", m.ffn_hidden),
+                        ("vocab", m.vocab)):
         if value % cfg.tp:
             return f"model {what} ({value}) is not divisible by tp ({cfg.tp}); pick tp from the divisors of {value}"
     if cfg.seq > m.seq_len and m.position == "learned":

@@ -29,25 +29,17 @@ def comm_backend(device: torch.device) -> str:
 
 
 def env_from_slurm() -> None:
-    """Map Slurm task variables to the torch.distributed ones (submitit runs one task per rank)."""
-    if "SLURM_PROCID" not in os.environ or "RANK" in os.environ:
+    """In a Slurm task that submitit started (one task per rank), export what torch.distributed's env://
+    reads: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (the job's first host) and
+    MASTER_PORT (drawn from the job id, so every task of the job agrees), with submitit's own
+    `TorchDistributedEnvironment`. A MASTER_ADDR or MASTER_PORT already set wins; a rank already set
+    (our spawner, torchrun) means there is nothing to do."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or "RANK" in os.environ:
         return
-    os.environ["RANK"] = os.environ["SLURM_PROCID"]
-    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    if "MASTER_ADDR" not in os.environ:
-        nodes = os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
-        os.environ["MASTER_ADDR"] = _first_host(nodes)
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
-
-
-def _first_host(nodelist: str) -> str:
-    """First host of a Slurm node list such as 'gpu[003-005,007],cpu1' → 'gpu003'."""
-    head = nodelist.split(",")[0]
-    if "[" not in head:
-        return head
-    prefix, rest = head.split("[", 1)
-    return prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+    from submitit.helpers import TorchDistributedEnvironment
+    env = TorchDistributedEnvironment()  # reads SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, …
+    env.master_addr = os.environ.get("MASTER_ADDR", env.master_addr)
+    env.export(set_cuda_visible_devices=False, overwrite=True)  # devices: `resolve_device` picks by LOCAL_RANK
 
 
 def init_from_env(device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:

@@ -5,28 +5,21 @@ communication counter (it slows the step, so it is never timed; traffic per step
 """
 from __future__ import annotations
 
-import json
-import statistics
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
-from bench.analysis.estimate import predict_row
 from bench.backends.base import RunContext
 from bench.backends.registry import get_backend
 from bench.config import RunConfig
 from bench.distributed import ProcessGroups, init_from_env, resolve_device, shutdown
-from bench.environment import environment
 from bench.layout import Layout
 from bench.metrics.comm import CommCounter
 from bench.metrics.flops import peak_flops
 from bench.metrics.memory import PeakMemory, tensor_bytes
 from bench.metrics.timer import StepTimer
-from models import count_params, flops_per_token
-
-STATUSES = ("ok", "failed", "timeout", "oom", "cancelled", "skipped")
+from bench.results import format_exception, measured_row as make_row  # noqa: F401 - the row is built there
 
 
 def run(cfg: RunConfig) -> dict | None:
@@ -83,57 +76,3 @@ def _with_fault(step_fn, cfg: RunConfig, rank: int):
         _inject_fault(cfg, rank)
         return step_fn(i)
     return step
-
-
-def _global_losses(ranks: list[dict]) -> list[float]:
-    """Mean over the ranks that computed a loss: every data-parallel replica reports equally often."""
-    steps = len(ranks[0]["losses"])
-    out = []
-    for i in range(steps):
-        values = [r["losses"][i] for r in ranks if r["losses"][i] is not None]
-        out.append(sum(values) / len(values) if values else float("nan"))
-    return out
-
-
-def make_row(cfg: RunConfig, ranks: list[dict], device: torch.device) -> dict:
-    """The result row (schema in DESIGN.md and bench.results.COLUMNS) from every rank's measurements."""
-    timer = StepTimer(device)
-    timer.times = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]  # slowest rank
-    timing = timer.summary()
-    step_s = timing["step_time_s"]
-    flops_step = flops_per_token(cfg.model_config, cfg.seq) * cfg.tokens_per_step
-    peak, peak_src = ranks[0]["peak_flops"]
-    losses = _global_losses(ranks)
-    row = {**cfg.to_row(), "status": "ok", "error": None, "params": count_params(cfg.model_config), **timing,
-           "tokens_per_s": cfg.tokens_per_step / step_s,
-           "tflops_per_device": flops_step / step_s / cfg.world / 1e12,
-           "peak_flops": peak, "peak_flops_source": peak_src,
-           "peak_mem_bytes": max(r["peak_mem"] for r in ranks),
-           "peak_mem_bytes_per_rank": json.dumps([r["peak_mem"] for r in ranks]),
-           "loss_first": losses[0], "loss_last": losses[-1], "losses": json.dumps(losses),
-           "device_name": ranks[0]["device_name"], **environment()}
-    row["mfu"] = row["tflops_per_device"] * 1e12 / peak
-    for kind in ("params", "grads", "optimizer"):
-        row[f"{kind}_bytes"] = max(r["state"][kind] for r in ranks)
-    persistent = [sum(r["state"].values()) for r in ranks]
-    row.update(persistent_bytes=max(persistent), persistent_bytes_per_rank=json.dumps(persistent))
-    comm_keys = {k for r in ranks for k in r["comm"]} | {f"comm_{m}_{d}" for m in ("bytes", "wire_bytes", "ops")
-                                                         for d in ("tp", "pp", "dp")}
-    for key in sorted(comm_keys):  # averaged over ranks (DESIGN.md)
-        row[key] = sum(r["comm"].get(key, 0) for r in ranks) / len(ranks)
-    row.update(_merge_extras([r["extras"] for r in ranks]))
-    row.update(predict_row(cfg))  # pred_* columns beside the measured ones (bench.analysis)
-    return row
-
-
-def _merge_extras(extras: list[dict]) -> dict:
-    out = dict(extras[0])
-    for key, value in extras[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = statistics.fmean(e[key] for e in extras if key in e)
-    return out
-
-
-def format_exception(exc: BaseException) -> str:
-    """The traceback's last 4,000 characters: enough to name the failing line, small enough for a row."""
-    return "".join(traceback.format_exception(exc))[-4000:]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from bench.config import RunConfig
-from bench.sweep.local import RankPool
+from bench.spawn import RankPool
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """Pipeline schedules of the native engine: GPipe vs 1F1B vs interleaved.
 
 For pp ∈ {2, 4} and micro-batches m: step time, tokens/s, peak step memory (max over ranks) and the
-measured bubble (idle / (busy + idle) per pipeline rank, averaged) beside the ideal
-(p − 1)/(m + p − 1), divided by v for interleaved.
+measured bubble (idle / (busy + idle) per pipeline rank, averaged) beside the ideal: the cost
+model's, simulated from the same action lists the engine runs (bench.schedule): (p − 1)/(m + p − 1),
+interleaved (p − 1)/(v·m + p − 1).
 
     .venv/bin/python benchmarks/native_pipeline.py --pp 2 4 --micro-batches 1 2 4 8 16
     .venv/bin/python benchmarks/native_pipeline.py --model small --pp 2 --micro-batches 8 --micro-batch 4
@@ -12,11 +13,12 @@ from __future__ import annotations
 import argparse
 
 from bench.config import RunConfig
-from bench.sweep.local import RankPool
+from bench.schedule import schedule_step
+from bench.spawn import RankPool
 
 
-def ideal_bubble(p: int, m: int, v: int) -> float:
-    return (p - 1) / (m + p - 1) / v
+def ideal_bubble(cfg: RunConfig) -> float:
+    return schedule_step(cfg.schedule, cfg.micro_batches, cfg.pp, cfg.virtual_stages).bubble_fraction
 
 
 def configs(args) -> list[RunConfig]:
@@ -57,7 +59,7 @@ def main() -> None:
                 continue
             print(f"{cfg.schedule:<12}{cfg.pp:>3}{cfg.micro_batches:>4}{row['step_time_s'] * 1e3:>10.1f}"
                   f"{row['tokens_per_s']:>10.0f}{row['peak_mem_bytes'] / 2**20:>10.1f}"
-                  f"{row['bubble_fraction']:>9.3f}{ideal_bubble(cfg.pp, cfg.micro_batches, cfg.virtual_stages):>8.3f}"
+                  f"{row['bubble_fraction']:>9.3f}{ideal_bubble(cfg):>8.3f}"
                   f"  ok", flush=True)
     finally:
         for pool in pools.values():

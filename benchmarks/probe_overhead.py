@@ -9,27 +9,24 @@ Variants alternate step by step, so load on the machine hits them alike; medians
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
 import statistics
 import time
 
 
-def _rank(rank: int, world: int, port: int, cfg_dict: dict, rounds: int, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _probe(cfg_dict: dict, rounds: int) -> dict | None:
+    """Body of every rank (a RankPool call): step times of each variant, the slowest rank's on rank 0."""
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
     from bench.backends.base import RunContext
     from bench.config import RunConfig
-    from bench.distributed import ProcessGroups
+    from bench.distributed import ProcessGroups, init_from_env, shutdown
     from bench.layout import Layout
     from bench.metrics.comm import CommCounter
     from bench.metrics.memory import PeakMemory
     from bench.metrics.timer import StepTimer
     from bench.native.engine import NativeTrainer
     cfg = RunConfig.from_dict(cfg_dict)
-    dist.init_process_group("gloo")
+    rank, world = init_from_env(torch.device("cpu"))
     groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
     trainer = NativeTrainer(RunContext(cfg, groups, torch.device("cpu")))
     metered = cfg.warmup  # a step index the trainer meters; 0 is never metered when warmup > 0
@@ -53,9 +50,8 @@ def _rank(rank: int, world: int, port: int, cfg_dict: dict, rounds: int, out) ->
         times["counter"].append(time.perf_counter() - t0)
     slowest = [None] * world
     dist.all_gather_object(slowest, times)
-    if rank == 0:
-        out.put({k: [max(t[k][i] for t in slowest) for i in range(rounds)] for k in times})
-    dist.destroy_process_group()
+    shutdown()
+    return {k: [max(t[k][i] for t in slowest) for i in range(rounds)] for k in times} if rank == 0 else None
 
 
 def main() -> None:
@@ -68,17 +64,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     from bench.config import RunConfig
-    from bench.sweep.local import free_port
+    from bench.spawn import RankPool
     cfg = RunConfig(model=args.model, tp=args.tp, pp=args.pp, dp=args.dp, micro_batches=args.micro_batches)
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, cfg.world, port, cfg.to_dict(), args.rounds, out))
-             for r in range(cfg.world)]
-    for p in procs:
-        p.start()
-    times = out.get(timeout=1800)
-    for p in procs:
-        p.join()
+    with RankPool(cfg.world) as pool:
+        times = pool.call(_probe, cfg.to_dict(), args.rounds, timeout_s=1800)[0]
     base = statistics.median(times["off"])
     print(f"model {args.model} tp={args.tp} pp={args.pp} dp={args.dp} m={args.micro_batches}, "
           f"{args.rounds} rounds, median step (slowest rank):")

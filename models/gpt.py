@@ -2,7 +2,9 @@
 
 Tensor layouts are chosen so that a contiguous slice along dim 0 of a weight is a valid
 tensor-parallel shard (what Megatron and DTensor's Colwise/Rowwise plans expect):
-- `attn.qkv` output is laid out (heads, 3, head_dim): a slice holds whole heads with their q, k, v;
+- `attn.qkv` output is laid out (kv_heads, group + 2, head_dim), group = heads / kv_heads: per K/V
+  head its `group` query heads, then its k, then its v. A slice holds whole query groups with the
+  K/V head they read (multi-head attention, group = 1: (heads, 3, head_dim), whole heads);
 - `mlp.fc1` output for swiglu is laid out (ffn, 2): a slice holds gate and up of the same units.
 """
 from __future__ import annotations
@@ -34,18 +36,25 @@ def rope(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, device=None):
         super().__init__()
-        self.head_dim, self.rope = cfg.head_dim, cfg.position == "rope"
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.bias, device=device)
+        self.head_dim, self.group, self.rope = cfg.head_dim, cfg.group, cfg.position == "rope"
+        self.qkv = nn.Linear(cfg.hidden, cfg.qkv_out, bias=cfg.bias, device=device)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        # -1 = local heads: under tensor parallel this rank holds a slice of whole heads.
-        q, k, v = self.qkv(x).view(B, T, -1, 3, self.head_dim).unbind(3)  # each (B, T, nh, hd)
+        # -1 = local K/V heads: under tensor parallel this rank holds a slice of whole query groups.
+        qkv = self.qkv(x).view(B, T, -1, self.group + 2, self.head_dim)
+        q, k, v = qkv.split((self.group, 1, 1), dim=3)
+        q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)  # (B, T, nh, hd), (B, T, nkv, hd) × 2
+        if self.group > 1:  # flatten copied q (its heads are strided); copying K and V as well frees the
+            k, v = k.contiguous(), v.contiguous()  # fused output, so backward keeps K and V at kv_heads' size
         if self.rope:
             q, k = rope(q), rope(k)
+        # enable_gqa: query head i reads K/V head i // group (the order of the flatten above) without
+        # materialising repeated K/V, so backward saves K and V at their grouped size.
+        gqa = {"enable_gqa": True} if self.group > 1 else {}
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)  # (B, nh, T, hd)
+                                           is_causal=True, **gqa)  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

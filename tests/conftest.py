@@ -2,7 +2,7 @@
 small run on this machine); a pool whose run failed restarts by itself."""
 import pytest
 
-from bench.sweep.local import RankPool
+from bench.spawn import RankPool
 
 
 @pytest.fixture(scope="session")

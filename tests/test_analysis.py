@@ -6,13 +6,13 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from bench.analysis.comm import comm_summary, wire_bytes
+from bench.analysis.comm import comm_summary, tp_traffic, wire_bytes
 from bench.analysis.estimate import Shape, crosses_nodes, estimate, predict_row
 from bench.analysis.explain import explain, ranges
 from bench.analysis.hardware import PROFILES, get_hardware, parse_quantity, profile_for_device
 from bench.analysis.memory import layer_activation_bytes, model_state_bytes
 from bench.analysis.planner import plan
-from bench.analysis.schedule import bubble_fraction, bubble_over_ideal, chunk_layers, in_flight_layers
+from bench.analysis.stage_plan import stage_plan
 from bench.cli import app
 from bench.config import RunConfig
 from bench.layout import Layout
@@ -32,12 +32,15 @@ def test_zero_paper_model_states(zero, published_gb):
 def test_ptdp_bubble():
     # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
     # Megatron-LM" (PTD-P), §2.2: bubble time / ideal time = (p−1)/m; interleaved (p−1)/(v·m).
-    assert bubble_over_ideal(8, 32, "1f1b") == pytest.approx(7 / 32)
-    assert bubble_over_ideal(8, 32, "interleaved", 4) == pytest.approx(7 / 128)
+    # The cost model simulates the action lists (bench.schedule); tests/test_schedule.py covers a grid.
+    def step(**kw):
+        return stage_plan(_gpt3(tp=8, pp=8, dp=1, micro_batches=32, **kw)).step
+    assert step(schedule="1f1b").bubble_over_ideal == pytest.approx(7 / 32)
+    assert step(schedule="interleaved", virtual_stages=4).bubble_over_ideal == pytest.approx(7 / 128)
     # As a share of the step: (p−1)/(m+p−1) = (p−1)/m / (1 + (p−1)/m).
-    assert bubble_fraction(8, 32, "gpipe") == pytest.approx(7 / 39)
-    assert bubble_fraction(8, 32, "interleaved", 4) == pytest.approx(7 / (128 + 7))
-    assert bubble_fraction(1, 32) == 0
+    assert step(schedule="gpipe").bubble_fraction == pytest.approx(7 / 39)
+    assert step(schedule="interleaved", virtual_stages=4).bubble_fraction == pytest.approx(7 / (128 + 7))
+    assert stage_plan(_gpt3(micro_batches=32)).step.bubble_fraction == 0
 
 
 def _gpt3(**kw):
@@ -51,10 +54,10 @@ def test_ptdp_communication():
     m, t, b, s = PRESETS["gpt3-175b"], 8, 1, 2048
     bsh = b * s * m.hidden
     shape = _gpt3(tp=t, pp=96, dp=1, micro_batches=1, backend="deepspeed")  # one layer per stage
-    middle = [tr for tr in __import__("bench.analysis.comm", fromlist=["x"]).tp_traffic(shape, 48, "zero")]
+    middle = tp_traffic(stage_plan(shape), 48, "zero")
     wire = sum(tr.wire for tr in middle if "block" in tr.what)
     assert wire == pytest.approx(8 * bsh * (t - 1) / t * 2)  # × 2 bytes (bf16)
-    pp = comm_summary(_gpt3(tp=1, pp=4, dp=1, micro_batches=8, backend="deepspeed"))
+    pp = comm_summary(stage_plan(_gpt3(tp=1, pp=4, dp=1, micro_batches=8, backend="deepspeed")))
     # 3 boundaries × 8 micro-batches × 2 directions × b·s·h × 2 bytes, averaged over 4 stages
     assert pp["comm_pp_send_bytes"] == pytest.approx(3 * 8 * 2 * bsh * 2 / 4)
     assert wire_bytes("all_reduce", 100, 4) == 150 and wire_bytes("all_gather", 100, 4) == 75
@@ -79,11 +82,13 @@ def test_korthikanti_table2_gpt3_175b_t8():
 def test_interleaved_first_stage_memory():
     # Korthikanti et al. 2022 §4.2.3: with the interleaved schedule the first stage holds
     # L·(1 + (p−1)/(p·v)) layers' worth of activations; 1F1B holds L (p micro-batches × L/p).
-    L, p, v = 96, 8, 3
-    assert in_flight_layers(0, L, p, 64, "interleaved", v) == pytest.approx(L * (1 + (p - 1) / (p * v)))
-    assert in_flight_layers(0, L, p, 64, "1f1b") == L
-    assert in_flight_layers(0, L, p, 64, "gpipe") == 64 * L / p
-    assert chunk_layers(10, 4) == [3, 3, 2, 2]
+    L, p, v = 96, 8, 3  # gpt3-175b
+
+    def first(**kw):
+        return stage_plan(_gpt3(pp=p, micro_batches=64, **kw), stages=[0]).ranks[0].layers_in_flight
+    assert first(schedule="interleaved", virtual_stages=v) == pytest.approx(L * (1 + (p - 1) / (p * v)))
+    assert first(schedule="1f1b") == L
+    assert first(schedule="gpipe") == 64 * L / p
 
 
 # --- layout explainer ----------------------------------------------------------------------------
@@ -126,7 +131,8 @@ def test_layout_with_model_bytes():
     info = explain(Layout(2, 2, 2), cfg=cfg)
     tp = [l for l in info["links"] if l["dim"] == "tp"]
     assert tp and all("all-reduce" in l["ops"] for l in tp)
-    assert sum(l["bytes_per_step"] for l in tp) / len(tp) == pytest.approx(comm_summary(cfg)["comm_bytes_tp"])
+    per_rank = comm_summary(stage_plan(cfg))["comm_bytes_tp"]
+    assert sum(l["bytes_per_step"] for l in tp) / len(tp) == pytest.approx(per_rank)
 
 
 def test_crosses_nodes_matches_layout():

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.backends.fsdp import stage_layers
-from bench.backends.sharded_init import hybrid_shape
+from bench.backends.fsdp import hybrid_shape
 from bench.config import ConfigError, RunConfig
 from models import PRESETS, count_params
 from models.config import block_params, embedding_params, head_params
@@ -53,11 +52,6 @@ def test_hybrid_shape_shards_within_a_node_and_keeps_two_replicas():
     assert hybrid_shape(6, 8) == (2, 3)
     with pytest.raises(ValueError, match="dp ≥ 2"):
         hybrid_shape(1, 8)
-
-
-def test_stage_layers_split_evenly_and_cover_the_model():
-    assert [stage_layers(4, 2, i) for i in range(2)] == [(0, 2), (2, 4)]
-    assert [stage_layers(5, 3, i) for i in range(3)] == [(0, 2), (2, 4), (4, 5)]
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -38,10 +38,61 @@ def test_param_counts_exact_for_every_small_variant():
         assert sum(p.numel() for p in build_model(cfg, 0).parameters()) == count_params(cfg), over
 
 
-def test_published_parameter_counts():
+# Every preset's exact count. Llama: the parameter counts of the released checkpoints (sum of the
+# tensor sizes); the GPT models: from the architecture of the cited papers (see models/config.py).
+EXACT_PARAMS = {
+    "tiny": 232_576, "tiny-gqa": 216_192, "tiny-llama": 180_800, "small": 5_280_256,
+    "gpt2-124m": 124_475_904, "gpt2-1.5b": 1_557_686_400,
+    "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
+    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,
+    "gpt-22b": 22_074_273_792, "gpt3-175b": 174_615_846_912, "gpt-530b": 529_600_819_200,
+    "gpt-1t": 1_008_038_758_400,
+}
+
+
+def test_exact_parameter_count_of_every_preset():
+    assert set(EXACT_PARAMS) == set(PRESETS)
+    for name, n in EXACT_PARAMS.items():
+        assert count_params(PRESETS[name]) == n, name
     assert abs(count_params(PRESETS["gpt2-124m"]) - 124.4e6) < 0.2e6  # GPT-2 small (vocab padded to 50304)
-    assert abs(count_params(PRESETS["llama2-7b"]) - 6.738e9) < 0.01e9  # Touvron et al. 2023
     assert abs(count_params(PRESETS["gpt3-175b"]) - 174.6e9) < 0.5e9  # Brown et al. 2020
+
+
+def test_readme_preset_table_lists_every_preset_with_its_count():
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = {m[1]: int(m[2].replace(",", "")) for m in re.finditer(r"^\| `([\w.-]+)` \| ([\d,]+) \|", readme, re.M)}
+    assert table == EXACT_PARAMS
+
+
+def test_gqa_param_counts_match_the_module_and_kv_heads_default_is_mha():
+    base = get_preset("tiny")
+    assert base.with_overrides(kv_heads=4).qkv_out == base.qkv_out == 3 * base.hidden
+    for cfg in (get_preset("tiny-gqa"), get_preset("tiny-llama"), base.with_overrides(kv_heads=1, bias=True)):
+        assert sum(p.numel() for p in build_model(cfg, 0).parameters()) == count_params(cfg), cfg.name
+    with pytest.raises(ValueError, match="kv_heads .3. must be ≥ 1 and divide model.heads .4."):
+        base.with_overrides(kv_heads=3)
+
+
+def test_gqa_equals_multi_head_attention_with_shared_kv():
+    # A GQA model computes what the MHA model computes when every query head of a group gets
+    # its group's K/V weights: the fused layout (kv_heads, group + 2, head_dim) read as intended.
+    gqa_cfg = get_preset("tiny-gqa").with_overrides(bias=True, position="rope")
+    mha_cfg = gqa_cfg.with_overrides(kv_heads=None)
+    gqa, mha = build_model(gqa_cfg, 0), build_model(mha_cfg, 0)
+    g, hd = gqa_cfg.group, gqa_cfg.head_dim
+    with torch.no_grad():
+        for name, p in mha.named_parameters():
+            src = dict(gqa.named_parameters())[name]
+            if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):
+                grouped = src.view(gqa_cfg.num_kv_heads, g + 2, hd, *src.shape[1:])
+                q, k, v = grouped.split((g, 1, 1), dim=1)
+                heads = torch.stack((q, k.expand_as(q), v.expand_as(q)), dim=2)  # (kv, g, 3, hd, ...)
+                src = heads.reshape(p.shape)
+            p.copy_(src)
+    idx = torch.randint(0, gqa_cfg.vocab, (2, gqa_cfg.seq_len))
+    torch.testing.assert_close(gqa(idx), mha(idx), rtol=1e-5, atol=1e-5)
 
 
 def test_flops_convention():

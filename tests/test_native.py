@@ -1,4 +1,5 @@
-"""Native 3D engine: schedules (pure), validation, and parity + communication on real gloo processes.
+"""Native 3D engine: validation, and parity + communication on real gloo processes (its schedules:
+tests/test_schedule.py).
 
 Parity: every layout reproduces the single-process reference — loss after 3 steps within 1e-5
 relative, step-1 gradients of every parameter (reassembled from shards) under
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 from bench.config import ConfigError, RunConfig
-from bench.native.pipeline import gpipe, interleaved, one_f_one_b, partition
+from bench.schedule import partition
+from bench.spawn import RankPool
+from parity import reference, run_layouts
 
 # --- the communication formulas (per rank per optimizer step, payload bytes; fp32) -------------------
 
@@ -23,7 +26,8 @@ def _local_params(m, tp: int, n_layers: int, first: bool, last: bool) -> tuple[i
     h, f, V = m.hidden, m.ffn_hidden, m.vocab
     up = 2 * f if m.activation == "swiglu" else f
     norm = h * (2 if m.norm == "layernorm" else 1)
-    sharded = (3 * h * h + h * h + up * h + f * h) // tp + ((3 * h + up) // tp if m.bias else 0)
+    qkv = m.qkv_out  # 3h, or h + 2·kv_heads·head_dim with grouped-query attention
+    sharded = (qkv * h + h * h + up * h + f * h) // tp + ((qkv + up) // tp if m.bias else 0)
     replicated = 2 * norm + (2 * h if m.bias else 0)
     n, n_sp = n_layers * (sharded + replicated), n_layers * replicated
     pos = m.seq_len * h if m.position == "learned" else 0
@@ -77,71 +81,13 @@ def expected_comm(cfg: RunConfig) -> dict[str, float]:
     return out
 
 
-# --- pure: partition and schedules ---------------------------------------------------------------------
-
-
-def test_partition_is_contiguous_and_balanced():
-    assert partition(4, 2) == [[0, 1], [2, 3]]
-    assert partition(5, 2) == [[0, 1, 2], [3, 4]]
-    parts = partition(10, 4)
-    assert sum(parts, []) == list(range(10)) and max(map(len, parts)) - min(map(len, parts)) <= 1
-
-
-def _orders(name, m, p, v=1):
-    fn = {"gpipe": lambda r: gpipe(m, p, r), "1f1b": lambda r: one_f_one_b(m, p, r),
-          "interleaved": lambda r: interleaved(m, p, r, v)}[name]
-    return [fn(r) for r in range(p)]
-
-
-def _simulate(orders, p, v, m) -> int:
-    """Run the schedules against each other with async sends and blocking receives.
-
-    Returns the peak number of micro-batches in flight on any rank; fails on deadlock."""
-    sent, pos, in_flight, peak = set(), [0] * p, [0] * p, 0
-    last = p * v - 1
-    while any(pos[r] < len(orders[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            if pos[r] == len(orders[r]):
-                continue
-            kind, chunk, mb = orders[r][pos[r]]
-            sid = chunk * p + r
-            need = ("act", sid, mb) if kind == "F" and sid > 0 else ("grad", sid, mb) if kind == "B" and sid < last \
-                else None
-            if need is not None and need not in sent:
-                continue  # blocked on its receive
-            sent.add(("act", sid + 1, mb) if kind == "F" else ("grad", sid - 1, mb))
-            in_flight[r] += 1 if kind == "F" else -1
-            peak = max(peak, in_flight[r])
-            pos[r] += 1
-            progressed = True
-        assert progressed, f"deadlock at positions {pos}"
-    return peak
-
-
-@pytest.mark.parametrize("p,m", [(2, 1), (2, 2), (2, 4), (4, 1), (4, 4), (4, 8), (4, 16)])
-def test_schedules_complete_without_deadlock(p, m):
-    for name in ("gpipe", "1f1b"):
-        orders = _orders(name, m, p)
-        for order in orders:
-            assert sorted(order) == sorted([("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)])
-        peak = _simulate(orders, p, 1, m)
-        assert peak == (m if name == "gpipe" else min(p, m))  # 1F1B: at most p micro-batches in flight
-
-
-@pytest.mark.parametrize("p,v,m", [(2, 1, 2), (4, 1, 8), (2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (2, 4, 8)])
-def test_interleaved_schedule_completes(p, v, m):
-    orders = _orders("interleaved", m, p, v)
-    for order in orders:
-        assert sorted(order) == sorted([(k, c, i) for k in "FB" for c in range(v) for i in range(m)])
-    _simulate(orders, p, v, m)
-
-
 # --- validation -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kwargs,words", [
     (dict(tp=3), ["heads", "tp (3)"]),
+    (dict(model="tiny-gqa", tp=4), ["kv_heads (2)", "tp (4)"]),
+    (dict(model="tiny", model_overrides=("kv_heads=3",)), ["kv_heads (3)", "divide model.heads (4)"]),
     (dict(pp=8), ["layers (4)", "pp (8)"]),
     (dict(pp=2, schedule="interleaved", micro_batches=3), ["micro_batches (3)", "pp (2)"]),
     (dict(pp=2, schedule="interleaved", virtual_stages=4), ["layers (4)", "virtual_stages"]),
@@ -162,17 +108,15 @@ _REFERENCES: dict = {}
 
 
 def _reference(cfg: RunConfig) -> dict:
-    from bench.native.parity import reference
     key = (cfg.model, cfg.model_overrides, cfg.seed, cfg.global_batch, cfg.seq)
     if key not in _REFERENCES:
         _REFERENCES[key] = reference(cfg)
     return _REFERENCES[key]
 
 
-def check_parity(world: int, cfgs: list[RunConfig]) -> None:
-    from bench.native.parity import run_layouts
+def check_parity(pool, cfgs: list[RunConfig]) -> None:
     failures = []
-    for cfg, got in zip(cfgs, run_layouts(world, cfgs)):
+    for cfg, got in zip(cfgs, run_layouts(pool, cfgs)):
         ref, name = _reference(cfg), _name(cfg)
         if not math.isclose(got["losses"][-1], ref["losses"][-1], rel_tol=1e-5):
             failures.append(f"{name}: loss {got['losses']} vs reference {ref['losses']}")
@@ -198,16 +142,16 @@ def _name(cfg: RunConfig) -> str:
 EIGHT = ("layers=8",)
 
 
-def test_parity_world2():
-    check_parity(2, [
+def test_parity_world2(pools):
+    check_parity(pools(2), [
         RunConfig(tp=2, micro_batches=1, sequence_parallel=True, order="tp-dp-pp"),
         RunConfig(pp=2, micro_batches=2, schedule="gpipe"),
         RunConfig(dp=2, micro_batches=2, zero=1),
     ])
 
 
-def test_parity_world4():
-    check_parity(4, [
+def test_parity_world4(pools):
+    check_parity(pools(4), [
         RunConfig(tp=4, micro_batches=2),
         RunConfig(pp=4, micro_batches=4, schedule="gpipe"),
         RunConfig(pp=4, micro_batches=8, schedule="1f1b"),
@@ -217,8 +161,22 @@ def test_parity_world4():
     ])
 
 
+def test_parity_grouped_query_attention_world2():
+    # tiny-gqa: 4 query heads sharing 2 K/V heads (tp 2: one whole group per rank); tiny-llama adds
+    # rotary positions, RMSNorm and SwiGLU to the same grouping, with biases off.
+    gqa = dict(model="tiny-gqa")
+    check_parity(2, [
+        RunConfig(**gqa, tp=2, micro_batches=1),
+        RunConfig(**gqa, tp=2, micro_batches=2, sequence_parallel=True, model_overrides=("bias=true",)),
+        RunConfig(**gqa, pp=2, micro_batches=2, schedule="1f1b"),
+        RunConfig(**gqa, dp=2, micro_batches=2),
+        RunConfig(model="tiny-llama", tp=2, micro_batches=1),
+    ])
+
+
 def test_parity_2x2x2():
-    check_parity(8, [RunConfig(tp=2, pp=2, dp=2, micro_batches=4, schedule="1f1b")])
+    with RankPool(8) as pool:  # not kept warm: eight idle ranks would hold memory for the whole session
+        check_parity(pool, [RunConfig(tp=2, pp=2, dp=2, micro_batches=4, schedule="1f1b")])
 
 
 # --- the full grid (slow) -----------------------------------------------------------------------------
@@ -249,7 +207,8 @@ def grid() -> dict[int, list[RunConfig]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_parity_full_grid(world):
-    check_parity(world, grid()[world])
+    with RankPool(world) as pool:
+        check_parity(pool, grid()[world])
 
 
 def test_worker_row_has_native_extras_and_reference_loss(pools):

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from bench.report.render import build_report
-from bench.results import failure_row
+from bench.results import skipped_row
 from browser import chromium, probe, screenshot
 from report_runs import CONFIGS, FAILING, result_sets
 
@@ -73,7 +73,7 @@ def test_report_of_one_run(sets, tmp_path):
 def test_report_with_missing_metrics_says_why(sets, tmp_path):
     rows = [json.loads(p.read_text()) for p in (sets["baseline"] / "runs").glob("*.json")]
     failed = next(r for r in rows if r["status"] == "failed")
-    skipped = failure_row(FAILING.replace(tp=4, dp=1, fault="none"), "skipped", "backend native: tp=4 needs 4 ranks")
+    skipped = skipped_row(FAILING.replace(tp=4, dp=1, fault="none"), "backend native: tp=4 needs 4 ranks")
     stripped = {k: v for k, v in next(r for r in rows if r["status"] == "ok").items()
                 if not k.startswith(("comm_", "tokens", "params_", "peak_mem", "bubble", "loss"))}
     index = build_report(pd.DataFrame([failed, skipped, stripped]), tmp_path / "partial")

@@ -81,6 +81,17 @@ def test_two_rank_run_on_slurm(slurm_sweep):
     assert row.loss_last < row.loss_first
 
 
+def test_each_row_is_written_once_by_whoever_knows_it(slurm_sweep):
+    """An ok row is stored by its job's rank 0 (with the sweep's columns and its wall time) and the sweep
+    reports that very row; the failed one is stored by the sweep, which saw the job end."""
+    from bench.sweep.store import ResultStore
+    stored = {r["run_id"]: r for r in ResultStore(slurm_sweep["out"]).rows()}
+    for row in slurm_sweep["outcome"].rows:
+        on_disk = stored[row["run_id"]]
+        assert (on_disk["wall_s"], on_disk["time"], on_disk["hostname"]) == (row["wall_s"], row["time"], row["hostname"])
+        assert on_disk["sweep"] == "slurm-test" and on_disk["launcher"] == "slurm" and on_disk["wall_s"] > 0
+
+
 def test_runs_of_one_shape_go_as_one_job_array(slurm_sweep):
     df = _rows(slurm_sweep["out"])
     singles = df[df.dp == 1]
@@ -136,3 +147,15 @@ def _wait_running(name: str, timeout: float) -> str:
             return out[0]
         time.sleep(0.3)
     raise AssertionError(f"job {name} did not start within {timeout} s")
+
+
+def test_task_environment_of_a_two_node_job_comes_from_submitit():
+    """What a rank of a 2-node × 2-task submitit job exports for torch.distributed (no cluster needed:
+    these are the variables Slurm and submitit's batch script set in such a task)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(SUBMITIT_EXECUTOR="slurm", SLURM_JOB_ID="4242", SLURM_PROCID="3", SLURM_LOCALID="1",
+               SLURM_NTASKS="4", SLURM_JOB_NUM_NODES="2", SLURM_NODEID="1", SLURM_JOB_NODELIST="gpu[003-004]")
+    code = ("import os; from bench.distributed import env_from_slurm; env_from_slurm(); "
+            "print(*(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR')))")
+    out = subprocess.run([os.sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["3", "4", "1", "2", "gpu003"], out.stderr

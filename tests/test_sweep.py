@@ -12,8 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.results import Status
 from bench.sweep.spec import SweepError, expand, load_sweep, parse_sweep
-from bench.sweep.store import SCHEMA_VERSION, STATUSES, load_results
+from bench.sweep.store import SCHEMA_VERSION, load_results
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = str(Path(sys.executable).parent / "bench")  # the installed entry point
@@ -184,7 +185,7 @@ def test_existing_output_needs_resume(local_sweep):
 def test_load_results_rejects_foreign_empty_and_other_versions(local_sweep, tmp_path):
     import pandas as pd
     df = load_results(local_sweep["out"] / "results.parquet")
-    assert len(df) == 4 and set(df.status) <= set(STATUSES)
+    assert len(df) == 4 and set(df.status) <= set(Status)
     pd.DataFrame({"a": [1]}).to_parquet(tmp_path / "foreign.parquet")
     with pytest.raises(ValueError, match="not a parabench results table"):
         load_results(tmp_path / "foreign.parquet")

@@ -30,9 +30,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from bench.analysis.memory import block_params_local, hybrid_shard, precision, sharding, stage_params
-from bench.analysis.params import fsdp_group_sizes, native_buckets, numel, stage_chunk_params
-from bench.analysis.schedule import chunk_layers, stage_chunks
+from bench.analysis.memory import block_params_local, precision
+from bench.results.schema import comm_column, comm_columns, comm_op_column
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
 FP32 = 4
@@ -60,7 +59,9 @@ class Traffic:
 
 
 def wire_bytes(kind: str, payload: float, n: int) -> float:
-    """Bytes one rank moves under a ring algorithm (same rule as bench.metrics.comm)."""
+    """Bytes one rank moves for `payload` under a ring algorithm in a group of n ranks (all-gather:
+    payload is the gathered output; reduce-scatter: the full input). The worker's counter
+    (bench.metrics.comm) and the cost model both use this rule."""
     if n <= 1:
         return 0.0
     if kind == "all_reduce":
@@ -68,12 +69,6 @@ def wire_bytes(kind: str, payload: float, n: int) -> float:
     if kind in ("all_gather", "reduce_scatter"):
         return (n - 1) / n * payload
     return float(payload)
-
-
-def _stage_shape(cfg, stage: int) -> tuple[int, bool, bool]:
-    chunks = chunk_layers(cfg.model_config.layers, cfg.pp, cfg.virtual_stages)
-    mine = stage_chunks(stage, cfg.pp, cfg.virtual_stages)
-    return sum(chunks[c] for c in mine), 0 in mine, len(chunks) - 1 in mine
 
 
 def _bytes_per_param(cfg, mixed_state: str) -> tuple[int, int]:
@@ -84,11 +79,12 @@ def _bytes_per_param(cfg, mixed_state: str) -> tuple[int, int]:
     return prec.grad_comm, prec.param_comm
 
 
-def tp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
+def tp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
+    cfg, rank = plan.cfg, plan.ranks[stage]
     m, prec, t = cfg.model_config, precision(cfg.dtype, mixed_state), cfg.tp
     if t == 1:
         return []
-    layers, first, last = _stage_shape(cfg, stage)
+    layers, first, last = rank.layers, rank.first, rank.last
     x, mb = cfg.micro_batch * cfg.seq * m.hidden, cfg.micro_batches
     # Full recomputation (native: torch.utils.checkpoint per block) re-runs each block's forward in
     # backward, collectives included, up to the last saved tensor: the attention region's exit and
@@ -99,7 +95,8 @@ def tp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         return [Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"),
                 Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)")]
     out = []
-    if cfg.backend == "deepspeed":  # the overflow / gradient-norm check also reduces over model parallel
+    if cfg.backend == "deepspeed" and cfg.zero:  # ZeRO's overflow / gradient-norm check also reduces over
+        # model parallel (ZeRO-0 has none: measured 21 tp ops, not 22, for tiny at tp 2)
         out.append(Traffic("tp", "all_reduce", FP32, 1, t, "gradient-norm scalar", "step"))
     if not cfg.sequence_parallel:
         out.append(Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"))
@@ -119,7 +116,7 @@ def tp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         if last:
             out.append(Traffic("tp", "all_gather", x * prec.comm_fwd, mb, t, "head input (fwd)"))
             out.append(Traffic("tp", "reduce_scatter", x * prec.comm_bwd, mb, t, "head input grad (bwd)"))
-        _, n_sp = native_buckets(m, t, cfg.pp, cfg.virtual_stages, stage, True, cfg.bucket_mb)
+        _, n_sp = plan.buckets(stage)
         out.append(Traffic("tp", "all_reduce", n_sp * FP32, 1, t, "sequence-parallel param grads (fp32)", "step"))
     if last:
         out.append(Traffic("tp", "all_reduce", cfg.micro_batch * cfg.seq * FP32, 3 * mb, t,
@@ -127,14 +124,14 @@ def tp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     return out
 
 
-def pp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
+def pp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
+    cfg = plan.cfg
     if cfg.pp == 1:
         return []
     m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
-    n_chunks = cfg.pp * cfg.virtual_stages
     msg = cfg.micro_batch * cfg.seq * m.hidden * prec.comm_pp / (cfg.tp if cfg.sequence_parallel else 1)
-    mine = stage_chunks(stage, cfg.pp, cfg.virtual_stages)
-    fwd = sum(1 for c in mine if c < n_chunks - 1)
+    mine = plan.ranks[stage].chunks
+    fwd = sum(1 for c in mine if c < plan.n_chunks - 1)
     bwd = sum(1 for c in mine if c > 0)
     mb, out = cfg.micro_batches, []
     if fwd:
@@ -143,24 +140,26 @@ def pp_traffic(cfg, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         out.append(Traffic("pp", "send", msg, bwd * mb, 2, "grads to previous stage"))
     # the counter sees each receive as an op of 0 bytes
     out.append(Traffic("pp", "recv", 0, (fwd + bwd) * mb, 2, "receives (counted as ops)"))
-    if cfg.backend == "deepspeed":  # its pipeline engine's bookkeeping, as measured: overflow flag, loss
-        out += [Traffic("pp", "all_reduce", FP32, 1, cfg.pp, "overflow check", "step"),
-                Traffic("pp", "broadcast", 2 * FP32, 1, cfg.pp, "loss from the last stage", "step")]
+    if cfg.backend == "deepspeed":  # its pipeline engine's bookkeeping, as measured: loss, and with a ZeRO
+        # optimizer (stage ≥ 1) its overflow flag (ZeRO-0: 5 pp ops measured for tiny at pp 2, not 6)
+        if cfg.zero:
+            out.append(Traffic("pp", "all_reduce", FP32, 1, cfg.pp, "overflow check", "step"))
+        out.append(Traffic("pp", "broadcast", 2 * FP32, 1, cfg.pp, "loss from the last stage", "step"))
     return out
 
 
-def dp_traffic(cfg, stage: int, mixed_state: str = "zero", gpus_per_node: int | None = None) -> list[Traffic]:
+def dp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
+    cfg = plan.cfg
     if cfg.dp == 1:
         return []
-    m = cfg.model_config
     grad_b, param_b = _bytes_per_param(cfg, mixed_state)
     if cfg.backend == "native":
-        return _native_dp(cfg, stage)
+        return _native_dp(plan, stage)
     if cfg.backend == "fsdp":
-        return _fsdp_dp(cfg, stage, grad_b, param_b, gpus_per_node)
-    n = stage_params(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage)
+        return _fsdp_dp(plan, stage, grad_b, param_b)
+    n = plan.ranks[stage].params
     grads, params = n * grad_b, n * param_b
-    what, _ = sharding(cfg)
+    what = plan.sharding
     if what == "none":  # ddp, deepspeed ZeRO-0
         return [Traffic("dp", "all_reduce", grads, 1, cfg.dp, "gradients", "step")]
     if cfg.backend == "deepspeed" and what in ("optimizer", "grads"):
@@ -178,8 +177,8 @@ def dp_traffic(cfg, stage: int, mixed_state: str = "zero", gpus_per_node: int | 
         return [Traffic("dp", "reduce_scatter", grads, 1, cfg.dp, "gradients", "step"),
                 Traffic("dp", "all_gather", params, 1, cfg.dp, "updated parameters", "step")]
     if cfg.backend == "deepspeed":
-        return _deepspeed_zero3(cfg, stage, grad_b, param_b)
-    blocks = _stage_shape(cfg, stage)[0] * block_params_local(m, cfg.tp)
+        return _deepspeed_zero3(plan, stage, grad_b, param_b)
+    blocks = plan.ranks[stage].layers * block_params_local(cfg.model_config, cfg.tp)
     mb = cfg.micro_batches  # ZeRO-3: parameters gathered forward and backward every micro-batch
     return [Traffic("dp", "all_gather", (n + blocks) * param_b, mb, cfg.dp, "parameters"),
             Traffic("dp", "reduce_scatter", grads, mb, cfg.dp, "gradients")]
@@ -188,18 +187,17 @@ def dp_traffic(cfg, stage: int, mixed_state: str = "zero", gpus_per_node: int | 
 DS_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
 
 
-def _deepspeed_zero3(cfg, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
+def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
     """DeepSpeed ZeRO-3: parameters below the persistence threshold stay whole on every rank and
     are all-gathered one by one after the optimizer step; the others are gathered for forward and
     again for backward every micro-batch; gradients reduce-scattered every micro-batch; an 8-byte
     overflow check. (Verified on the tiny model, whose parameters are all persistent.)"""
-    threshold = DS_PERSISTENCE_THRESHOLD
+    cfg, threshold = plan.cfg, DS_PERSISTENCE_THRESHOLD
     for entry in getattr(cfg, "ds_set", ()):
         key, _, value = entry.partition("=")
         if key.strip() == "zero_optimization.stage3_param_persistence_threshold":
             threshold = float(value)
-    params = [numel(s) for chunk in stage_chunk_params(cfg.model_config, cfg.tp, cfg.pp, cfg.virtual_stages, stage)
-              for _, s, _ in chunk]
+    params = plan.param_sizes(stage)
     kept = [n for n in params if n < threshold]
     parted = sum(params) - sum(kept)
     mb, out = cfg.micro_batches, []
@@ -207,7 +205,7 @@ def _deepspeed_zero3(cfg, stage: int, grad_b: int, param_b: int) -> list[Traffic
         out.append(Traffic("dp", "all_gather", sum(kept) * param_b / len(kept), len(kept), cfg.dp,
                            "persistent parameters", "step"))
     if parted:  # gathered module by module: one group per block (+ the rest)
-        groups = _stage_shape(cfg, stage)[0] + 1
+        groups = plan.ranks[stage].layers + 1
         out.append(Traffic("dp", "all_gather", parted * param_b / groups, 2 * mb * groups, cfg.dp,
                            "partitioned parameters"))
     out += [Traffic("dp", "reduce_scatter", sum(params) * grad_b, mb, cfg.dp, "gradients"),
@@ -215,11 +213,10 @@ def _deepspeed_zero3(cfg, stage: int, grad_b: int, param_b: int) -> list[Traffic
     return out
 
 
-def _native_dp(cfg, stage: int) -> list[Traffic]:
+def _native_dp(plan, stage: int) -> list[Traffic]:
     """bench.native: one flat fp32 buffer per bucket (+ the sequence-parallel bucket), reduced once
     per step; ZeRO-1 pads each bucket to a multiple of dp, reduce-scatters it and all-gathers it."""
-    buckets, n_sp = native_buckets(cfg.model_config, cfg.tp, cfg.pp, cfg.virtual_stages, stage,
-                                   cfg.sequence_parallel, cfg.bucket_mb)
+    cfg, (buckets, n_sp) = plan.cfg, plan.buckets(stage)
     sizes = [b for b in (*buckets, n_sp) if b]
     if not cfg.zero:
         return [Traffic("dp", "all_reduce", FP32 * sum(sizes) / len(sizes), len(sizes), cfg.dp, "gradient buckets",
@@ -239,18 +236,18 @@ def _fsdp_gathers(kind: str, mode: str, mb: int, pp: int) -> int:
     return mb * (2 if kind == "block" and mode != "grad-op" else 1)
 
 
-def _fsdp_dp(cfg, stage: int, grad_b: int, param_b: int, gpus_per_node: int | None) -> list[Traffic]:
+def _fsdp_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
     """FSDP2, one communication group per block and one root per chunk; parameters padded on dim 0
     to a multiple of the shard count. Micro-batches before the last skip the gradient sync, so the
     reduce-scatter (and HSDP's all-reduce) runs once per step; the all-gathers: `_fsdp_gathers`."""
+    cfg = plan.cfg
     mode, mb = cfg.fsdp or "full", cfg.micro_batches
-    m = cfg.model_config
     if mode == "none":  # FSDP2 replicate: one gradient all-reduce per group
-        groups = fsdp_group_sizes(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage, 1)
+        groups = plan.fsdp_groups(stage, 1)
         total = sum(n for _, n in groups) * grad_b
         return [Traffic("dp", "all_reduce", total / len(groups), len(groups), cfg.dp, "gradients", "step")]
-    shard = hybrid_shard(cfg, gpus_per_node) if mode == "hybrid" else cfg.dp
-    sizes = fsdp_group_sizes(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage, shard)
+    shard = plan.shard  # dp, or HSDP's shard group
+    sizes = plan.fsdp_groups(stage, shard)
     groups = sizes
     counts = [_fsdp_gathers(kind, mode, mb, cfg.pp) for kind, _ in sizes]
     gathered = sum(n * c for (_, n), c in zip(sizes, counts))
@@ -263,21 +260,21 @@ def _fsdp_dp(cfg, stage: int, grad_b: int, param_b: int, gpus_per_node: int | No
     return out
 
 
-def stage_traffic(cfg, stage: int, mixed_state: str = "zero", gpus_per_node: int | None = None) -> list[Traffic]:
-    return tp_traffic(cfg, stage, mixed_state) + pp_traffic(cfg, stage, mixed_state) + \
-        dp_traffic(cfg, stage, mixed_state, gpus_per_node)
+def stage_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
+    """Everything one rank of pipeline stage `stage` sends (plan: bench.analysis.stage_plan)."""
+    return tp_traffic(plan, stage, mixed_state) + pp_traffic(plan, stage, mixed_state) + \
+        dp_traffic(plan, stage, mixed_state)
 
 
-def comm_summary(cfg, mixed_state: str = "zero", gpus_per_node: int | None = None) -> dict:
+def comm_summary(plan, mixed_state: str = "zero") -> dict:
     """Row columns like the worker's, averaged over ranks (every stage has tp·dp ranks)."""
-    out: dict[str, float] = defaultdict(float)
-    for dim in ("tp", "pp", "dp"):
-        out[f"comm_bytes_{dim}"] = out[f"comm_wire_bytes_{dim}"] = out[f"comm_ops_{dim}"] = 0.0
+    cfg = plan.cfg
+    out: dict[str, float] = defaultdict(float, dict.fromkeys(comm_columns(), 0.0))
     for stage in range(cfg.pp):
-        for tr in stage_traffic(cfg, stage, mixed_state, gpus_per_node):
-            out[f"comm_bytes_{tr.dim}"] += tr.total / cfg.pp
-            out[f"comm_wire_bytes_{tr.dim}"] += tr.wire / cfg.pp
-            out[f"comm_ops_{tr.dim}"] += tr.ops / cfg.pp
-            out[f"comm_{tr.dim}_{tr.kind}_bytes"] += tr.total / cfg.pp
-            out[f"comm_{tr.dim}_{tr.kind}_ops"] += tr.ops / cfg.pp
+        for tr in stage_traffic(plan, stage, mixed_state):
+            out[comm_column("bytes", tr.dim)] += tr.total / cfg.pp
+            out[comm_column("wire_bytes", tr.dim)] += tr.wire / cfg.pp
+            out[comm_column("ops", tr.dim)] += tr.ops / cfg.pp
+            out[comm_op_column(tr.dim, tr.kind, "bytes")] += tr.total / cfg.pp
+            out[comm_op_column(tr.dim, tr.kind, "ops")] += tr.ops / cfg.pp
     return dict(out)

@@ -69,8 +69,10 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
         est = estimate_params(n_params, options["dp"] or 1, int(options["zero"] or 0),
                               options["dtype"] or "bf16-mixed", mixed_state)
     else:
+        from models.config import count_params
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
-        est = predict(cfg, hardware, gpus_per_node, mixed_state, activations)
+        est = {"params": count_params(cfg.model_config), **predict(cfg, hardware, gpus_per_node, mixed_state,
+                                                                   activations)}
     if as_json:
         echo_json(est)
         return
@@ -103,10 +105,13 @@ def _shape_from_options(options: dict):
 
 
 def _print_estimate(est: dict) -> None:
+    from bench.layout import DIMS
+    from bench.results.schema import comm_column
     if "world_size" not in est:  # --params
         click.echo(f"{est['params']:.4g} params, dp={est['dp']}, ZeRO-{est['zero']}, {est['dtype']}, per device:")
     else:
-        click.echo(f"per rank (stage {est['worst_stage']}, the largest), {est['mixed_state']} state convention, "
+        click.echo(f"{est['params']:,} parameters; per rank (stage {est['worst_stage']}, the largest), "
+                   f"{est['mixed_state']} state convention, "
                    f"{est['activations']} activations:")
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
                 "total_bytes"):
@@ -116,8 +121,9 @@ def _print_estimate(est: dict) -> None:
         return
     click.echo(f"  activations per layer and micro-batch: {_gib(est['activation_bytes_per_layer'])}")
     click.echo("communication per step and rank (payload / ring wire):")
-    for dim in ("tp", "pp", "dp"):
-        click.echo(f"  {dim}: {_gib(est[f'comm_bytes_{dim}']):>14} / {_gib(est[f'comm_wire_bytes_{dim}']):>14}")
+    for dim in DIMS:
+        payload, wire = est[comm_column("bytes", dim)], est[comm_column("wire_bytes", dim)]
+        click.echo(f"  {dim}: {_gib(payload):>14} / {_gib(wire):>14}")
     click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")
     if "step_time_s" in est:
         click.echo(f"on {est['hardware']} (links tp {est['links']['tp']}, pp {est['links']['pp']}, "

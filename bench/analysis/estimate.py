@@ -5,12 +5,15 @@ RunConfig field names and `model_config`), so the planner can feed it lightweigh
 Step time, per device (every term documented where computed, in `predict_time`):
     compute = model FLOPs per device (+ recomputation) / (peak × compute_efficiency)
     tp      = every tp collective on the critical path, ring latency + wire bytes / link bandwidth
-    pp      = (v·m + p − 1) forward and backward sends on the critical path
-    bubble  = (compute + tp) × (p−1)/(v·m)                       (PTD-P §2.2)
+    pp      = one forward and one backward send per slot of the step's critical path: v·m + p − 1
+              slots of a chunk's forward and backward in the simulated schedule
+    bubble  = (compute + tp) × idle / busy time of the simulated schedule ((p−1)/(v·m), PTD-P §2.2)
     dp      = gradient/parameter traffic not hidden behind backward (the last micro-batch's
               backward for one reduction per step; the whole compute for per-micro-batch ZeRO-3/FSDP)
     step    = compute + tp + pp + bubble + exposed dp
 The link of each group is NVLink when all its ranks share a node (`Layout`), else the network.
+What each pipeline rank holds and runs is worked out once per config (`stage_plan`) and every
+model reads it.
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ from math import gcd
 from bench.analysis.comm import Traffic, comm_summary, stage_traffic
 from bench.analysis.hardware import Hardware, get_hardware
 from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memory
-from bench.analysis.schedule import bubble_fraction, bubble_over_ideal
+from bench.analysis.stage_plan import StagePlan, stage_plan
+from bench.schedule import BACKWARD, FORWARD
 from bench.config import BatchShape
+from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
@@ -65,11 +70,10 @@ def extreme_stages(pp: int) -> list[int]:
     return sorted({0, pp - 1})
 
 
-def memory(cfg, mixed_state: str = "zero", activations: str = "table2", stages: list[int] | None = None) -> dict:
-    """Per-rank bytes of the stage with the largest total, plus every (listed) stage's figures."""
+def memory(plan: StagePlan, mixed_state: str = "zero", activations: str = "table2") -> dict:
+    """Per-rank bytes of the stage with the largest total, plus every planned stage's figures."""
     act = ActivationModel(activations)
-    stages = range(cfg.pp) if stages is None else stages
-    per = {s: stage_memory(cfg, s, mixed_state, act) for s in stages}
+    per = {s: stage_memory(plan, s, mixed_state, act) for s in plan.ranks}
     worst = max(per, key=lambda s: per[s]["total_bytes"])
     return {**per[worst], "worst_stage": worst, "stages": [per[s] for s in sorted(per)]}
 
@@ -127,13 +131,12 @@ def op_time(tr: Traffic, bw: float, latency: float) -> float:
     return latency + tr.payload / bw
 
 
-def predict_time(cfg, hw: Hardware, gpus_per_node: int | None = None, mixed_state: str = "zero",
-                 stages: list[int] | None = None) -> dict:
-    g = gpus_per_node or hw.gpus_per_node
+def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str = "zero") -> dict:
+    """Step time over the planned stages (the slowest sets the pace): see the module docstring."""
+    cfg, g = plan.cfg, plan.gpus_per_node or hw.gpus_per_node
     p, m = cfg.pp, cfg.micro_batches
-    v = cfg.virtual_stages if cfg.schedule == "interleaved" else 1
     compute = hardware_flops_per_step(cfg) / cfg.world / (hw.peak(cfg.dtype) * hw.compute_efficiency)
-    traffic = {s: stage_traffic(cfg, s, mixed_state, g) for s in (range(p) if stages is None else stages)}
+    traffic = {s: stage_traffic(plan, s, mixed_state) for s in plan.ranks}
     links = {d: link(cfg, hw, d, g) for d in ("tp", "pp", "dp")}
 
     def busiest(dim):  # the slowest stage sets the pace
@@ -144,8 +147,9 @@ def predict_time(cfg, hw: Hardware, gpus_per_node: int | None = None, mixed_stat
     pp = 0.0
     if p > 1:  # one send forward and one backward per slot of the critical path
         msg = next(tr for tr in traffic[0] if tr.kind == "send").payload
-        pp = 2 * (v * m + p - 1) * (links["pp"][1] + msg / links["pp"][0])
-    bubble = (compute + tp) * (bubble_over_ideal(p, m, cfg.schedule, v) if p > 1 else 0.0)
+        slots = plan.step.makespan / (FORWARD + BACKWARD)
+        pp = 2 * slots * (links["pp"][1] + msg / links["pp"][0])
+    bubble = (compute + tp) * plan.step.bubble_over_ideal
     def dp_time(per):
         return max(sum(op_time(tr, *links["dp"][:2]) * tr.ops for tr in traffic[s]
                        if tr.dim == "dp" and tr.per == per) for s in traffic)
@@ -169,14 +173,13 @@ def estimate(cfg, hardware: str | Hardware | None = None, gpus_per_node: int | N
     """Everything the cost model predicts for one config (keys: see the module docstrings)."""
     state = mixed_state or "zero"
     hw = get_hardware(hardware) if hardware is not None else None
-    g = gpus_per_node or (hw.gpus_per_node if hw else None)
-    out = {"mixed_state": state, "activations": activations, **memory(cfg, state, activations),
-           **comm_summary(cfg, state, g),
-           "bubble_fraction": bubble_fraction(cfg.pp, cfg.micro_batches, cfg.schedule, cfg.virtual_stages),
+    plan = stage_plan(cfg, gpus_per_node or (hw.gpus_per_node if hw else None))
+    out = {"mixed_state": state, "activations": activations, **memory(plan, state, activations),
+           **comm_summary(plan, state), "bubble_fraction": plan.step.bubble_fraction,
            "flops_per_step": model_flops_per_step(cfg), "hardware_flops_per_step": hardware_flops_per_step(cfg),
            "tokens_per_step": cfg.tokens_per_step, "world_size": cfg.world}
     if hw is not None:
-        out.update(predict_time(cfg, hw, g, state))
+        out.update(predict_time(plan, hw, state))
         out["memory_limit_bytes"] = hw.memory_bytes
         out["fits"] = out["total_bytes"] <= hw.memory_bytes
     return out
@@ -208,8 +211,6 @@ def _predict_row(cfg) -> dict:
     out = {f"pred_{k}": est[k] for k in PRED_KEYS}
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes"):  # max over ranks,
         out[f"pred_{k}"] = max(s[k] for s in est["stages"])  # per column, as the measured row
-    for dim in ("tp", "pp", "dp"):
-        out[f"pred_comm_bytes_{dim}"] = est[f"comm_bytes_{dim}"]
-        out[f"pred_comm_wire_bytes_{dim}"] = est[f"comm_wire_bytes_{dim}"]
-        out[f"pred_comm_ops_{dim}"] = est[f"comm_ops_{dim}"]
+    for name in comm_columns():
+        out[f"pred_{name}"] = est[name]
     return out

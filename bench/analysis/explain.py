@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bench.analysis.comm import stage_traffic
+from bench.analysis.stage_plan import stage_plan
 from bench.layout import DIMS, Layout
 
 TREE_LIMIT = 64  # print every replica up to this many GPUs; beyond, the first two and the last
@@ -42,7 +43,8 @@ def explain(lay: Layout, rack_size: int | None = None, cfg=None, mixed_state: st
     per rank), `warnings`, and `replicas` (the tree: replica → stage → tp ranks and node)."""
     ranks = [{"rank": r, "node": lay.node(r), **lay.coords(r)._asdict()} for r in range(lay.world_size)]
     groups = {dim: lay.groups(dim) for dim in DIMS}
-    traffic = {s: stage_traffic(cfg, s, mixed_state) for s in range(lay.pp)} if cfg is not None else None
+    plan = stage_plan(cfg) if cfg is not None else None
+    traffic = {s: stage_traffic(plan, s, mixed_state) for s in range(lay.pp)} if cfg is not None else None
     links = []
     for dim in DIMS:
         if getattr(lay, dim) == 1:

@@ -25,10 +25,13 @@ in Large Transformer Models", Table 2, with s = seq, b = micro-batch, h = hidden
     + selective recompute  drops the 5·a·s/h terms (attention scores recomputed)
     full recompute         2·s·b·h (the layer input only; ÷ t with sequence parallel)
 The constants assume 2-byte activations, 1-byte dropout masks and a GELU MLP of 4h. This module
-derives them term by term from the model (element bytes e, MLP width f, swiglu) so that they
+derives them term by term from the model (element bytes e, MLP width f, swiglu, and K and V at
+their grouped width kv_heads·head_dim under grouped-query attention) so that they
 reduce exactly to Table 2 in that case; `ActivationModel("suite")` describes this suite's GPT
 (no dropout, fused attention that saves no s×s matrix). Beyond the layers, the last stage holds
-the logits and the loss's fp32 softmax for the micro-batches in flight there. With the `suite`
+the logits and the loss's fp32 softmax for the micro-batches in flight there. How many layer- and
+micro-batches each rank holds at its peak is read off the action lists its backend runs
+(`bench.analysis.stage_plan`, `bench.schedule`). With the `suite`
 model and the `autocast` state convention, the fp32 norm inputs and the per-forward bf16 weight
 copies that torch.autocast saves are added (`_autocast_extra_per_layer`).
 """
@@ -37,7 +40,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from bench.analysis.schedule import chunk_layers, in_flight_layers, in_flight_micro_batches, stage_chunks
 from models.config import GPTConfig, block_params, embedding_params
 
 MIXED_STATES = ("zero", "autocast")
@@ -94,27 +96,19 @@ def head_params_local(m: GPTConfig, tp: int, pp: int) -> float:
     return table / tp + norm
 
 
-@lru_cache(maxsize=65536)
-def stage_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int) -> float:
-    """Parameters held by one rank of pipeline stage `stage` (its tp shard, before dp sharding)."""
-    chunks = chunk_layers(m.layers, pp, virtual_stages)
-    mine = stage_chunks(stage, pp, virtual_stages)
-    n = sum(chunks[c] for c in mine) * block_params_local(m, tp)
-    if 0 in mine:
+def rank_params(m: GPTConfig, tp: int, pp: int, layers: int, first: bool, last: bool) -> float:
+    """Parameters held by one rank of a pipeline stage with `layers` blocks (its tp shard, before
+    dp sharding); `first`: it holds the embedding, `last`: the final norm and head."""
+    n = layers * block_params_local(m, tp)
+    if first:
         n += embedding_params_local(m, tp)
-    if len(chunks) - 1 in mine:
+    if last:
         n += head_params_local(m, tp, pp)
     return n
 
 
 # --- sharding ------------------------------------------------------------------------------------
-def fsdp_stage_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, shard: int) -> float:
-    """Parameters one rank stores under FSDP2: each one's dim 0 padded to a multiple of `shard`, ÷ shard."""
-    from bench.analysis.params import fsdp_group_sizes
-    return sum(n for _, n in fsdp_group_sizes(m, tp, pp, virtual_stages, stage, shard)) / shard
-
-
-def sharding(cfg) -> tuple[str, int]:
+def sharding(cfg, gpus_per_node: int | None = None) -> tuple[str, int]:
     """(what is sharded over dp: none | optimizer | grads | params, over how many ranks)."""
     n = cfg.dp
     if cfg.backend == "fsdp":
@@ -122,13 +116,13 @@ def sharding(cfg) -> tuple[str, int]:
         if mode == "none":
             return "none", 1
         if mode == "hybrid":
-            return "params", hybrid_shard(cfg)
+            return "params", hybrid_shard(cfg, gpus_per_node)
         return "params", n  # grad-op too: FSDP2 stores shards, gathers them for forward + backward
     return {0: "none", 1: "optimizer", 2: "grads", 3: "params"}[cfg.zero], (n if cfg.zero else 1)
 
 
 def hybrid_shard(cfg, gpus_per_node: int | None = None) -> int:
-    """FSDP hybrid (bench.backends.sharded_init.hybrid_shape): the largest divisor of dp below dp
+    """FSDP hybrid (bench.backends.fsdp.hybrid_shape): the largest divisor of dp below dp
     that fits the dp ranks of one node (all of them when `gpus_per_node` is None: one machine)."""
     per_node = cfg.dp if gpus_per_node is None else _dp_ranks_per_node(cfg, gpus_per_node)
     return max((d for d in range(1, cfg.dp) if cfg.dp % d == 0 and d <= max(per_node, 1)), default=1)
@@ -137,12 +131,6 @@ def hybrid_shard(cfg, gpus_per_node: int | None = None) -> int:
 def _dp_ranks_per_node(cfg, gpus_per_node: int) -> int:
     stride = cfg.tp * (cfg.pp if cfg.order == "tp-pp-dp" else 1)  # distance between dp neighbours
     return max(1, min(cfg.dp, gpus_per_node // stride))
-
-
-def state_divisors(cfg) -> tuple[int, int, int]:
-    """Divisors of (params, grads, optimizer) bytes from the sharding."""
-    what, n = sharding(cfg)
-    return {"none": (1, 1, 1), "optimizer": (1, 1, n), "grads": (1, n, n), "params": (n, n, n)}[what]
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -176,7 +164,8 @@ def layer_activation_bytes(m: GPTConfig, b: int, s: int, tp: int = 1, sp: bool =
     # norm inputs (2), qkv input, fc1 input, and the two residual dropout masks: not split by tp
     replicated = 4 * e * h + 2 * mask * h
     mlp = e * (4 * f if m.activation == "swiglu" else 2 * f)  # gelu: fc1 out + fc2 in; swiglu: + gate
-    split = e * 4 * h + mlp  # Q, K, V, proj input, MLP internals
+    kv = m.num_kv_heads * m.head_dim  # = h without grouped-query attention
+    split = e * (2 * h + 2 * kv) + mlp  # Q, K, V, proj input, MLP internals
     if recompute == "selective" or act.flash:
         scores = 4 * a if act.flash and recompute != "selective" else 0  # fused kernel: fp32 log-sum-exp
     else:
@@ -190,7 +179,7 @@ def _autocast_extra_per_layer(m: GPTConfig, tokens: int, tp: int, sp: bool) -> f
     are saved in fp32 (+2 bytes each per element), and every forward saves its own bf16 copy of
     the layer's matmul weights for backward (the cast cache lives for one autocast region)."""
     up = 2 * m.ffn_hidden if m.activation == "swiglu" else m.ffn_hidden
-    weights = (4 * m.hidden * m.hidden + m.hidden * up + m.ffn_hidden * m.hidden) / tp
+    weights = (m.hidden * (m.qkv_out + m.hidden) + m.hidden * up + m.ffn_hidden * m.hidden) / tp
     return tokens * 2 * 2 * m.hidden / (tp if sp else 1) + 2 * weights
 
 
@@ -202,39 +191,33 @@ def head_activation_bytes(m: GPTConfig, b: int, s: int, tp: int, sp: bool, e: in
 
 
 # --- per rank ------------------------------------------------------------------------------------
-def stage_memory(cfg, stage: int, mixed_state: str = "zero", act: ActivationModel = ActivationModel()) -> dict:
-    """Bytes held by one rank of pipeline stage `stage` at its peak (cfg: RunConfig-like)."""
+def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationModel = ActivationModel()) -> dict:
+    """Bytes held by one rank of pipeline stage `stage` at its peak (plan: bench.analysis.stage_plan)."""
+    cfg, rank = plan.cfg, plan.ranks[stage]
     m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
-    n_params = stage_params(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage)
-    dp_, dg, do = state_divisors(cfg)
-    full_stage = n_params
-    if cfg.backend == "fsdp":  # DTensor TP keeps embedding/head whole; FSDP2 pads dim 0 per parameter
-        what, shard = sharding(cfg)
-        full_stage = fsdp_stage_params(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage, 1)
-        n_params = fsdp_stage_params(m, cfg.tp, cfg.pp, cfg.virtual_stages, stage, shard if what != "none" else 1)
+    n_params = full_stage = rank.params
+    dp_, dg, do = plan.state_divisors
+    fsdp = cfg.backend == "fsdp"
+    if fsdp:  # DTensor TP keeps embedding/head whole; FSDP2 pads dim 0 per parameter
+        full_stage = sum(n for _, n in plan.fsdp_groups(stage, 1))
+        shard = plan.shard if plan.sharding != "none" else 1
+        n_params = sum(n for _, n in plan.fsdp_groups(stage, shard)) / shard
         dp_ = dg = do = 1
     per_layer = layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
                                        cfg.recompute, prec.act, act)
     autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32"
     if autocast and cfg.recompute != "full":
         per_layer += _autocast_extra_per_layer(m, cfg.micro_batch * cfg.seq, cfg.tp, cfg.sequence_parallel)
-    layers_in_flight = in_flight_layers(stage, m.layers, cfg.pp, cfg.micro_batches, cfg.schedule,
-                                        cfg.virtual_stages)
-    if cfg.pp == 1 and cfg.schedule == "gpipe" and cfg.backend == "native":
-        layers_in_flight *= cfg.micro_batches  # the native engine runs GPipe's all-forward-first even at pp = 1
-    activations = per_layer * layers_in_flight
-    if stage == cfg.pp - 1:
-        mbs = in_flight_micro_batches(stage, cfg.pp, cfg.micro_batches, cfg.schedule)
-        activations += mbs * head_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp,
-                                                   cfg.sequence_parallel, prec.act)
+    activations = per_layer * rank.layers_in_flight + rank.head_in_flight * head_activation_bytes(
+        m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, prec.act)
     transient = 0.0
     if cfg.recompute == "full":  # backward recomputes one layer's full activations
         transient += layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
                                             "none", prec.act, act)
-    gather_b = 2 if cfg.backend == "fsdp" and cfg.dtype != "fp32" else prec.param  # FSDP2 gathers in bf16
-    if cfg.backend == "fsdp" and cfg.fsdp == "grad-op":  # gathered from forward until after backward
+    gather_b = 2 if fsdp and cfg.dtype != "fp32" else prec.param  # FSDP2 gathers in bf16
+    if fsdp and cfg.fsdp == "grad-op":  # gathered from forward until after backward
         transient += full_stage * gather_b
-    elif dp_ > 1 or (cfg.backend == "fsdp" and sharding(cfg)[0] == "params"):
+    elif dp_ > 1 or (fsdp and plan.sharding == "params"):
         # sharded params: two blocks gathered (compute + prefetch), one block of unsharded grads
         transient += block_params_local(m, cfg.tp) * (2 * gather_b + prec.grad)
     out = {"params_bytes": n_params * prec.param / dp_, "grads_bytes": n_params * prec.grad / dg,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from bench.analysis.schedule import chunk_layers, stage_chunks
+from bench.schedule import partition, rank_chunks
 from models.config import GPTConfig
 
 Param = tuple[str, tuple[int, ...], bool]
@@ -36,7 +36,7 @@ def block(m: GPTConfig, i: int, tp: int = 1, vocab_parallel_tp: bool = True) -> 
     h, f, p = m.hidden, m.ffn_hidden, f"blocks.{i}"
     up = 2 * f if m.activation == "swiglu" else f
     return (_norm(m, f"{p}.ln1")
-            + _linear(f"{p}.attn.qkv", 3 * h, h, m.bias, True, False, tp, True)
+            + _linear(f"{p}.attn.qkv", m.qkv_out, h, m.bias, True, False, tp, True)
             + _linear(f"{p}.attn.proj", h, h, m.bias, False, True, tp, False)
             + _norm(m, f"{p}.ln2")
             + _linear(f"{p}.mlp.fc1", up, h, m.bias, True, False, tp, True)
@@ -65,13 +65,11 @@ def chunk_params(m: GPTConfig, tp: int, first: bool, last: bool, layer_ids: list
 def stage_chunk_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int,
                        vocab_parallel: bool = True) -> list[list[Param]]:
     """The chunks pipeline rank `stage` holds, each as its parameter list."""
-    sizes = chunk_layers(m.layers, pp, virtual_stages)
-    starts = [sum(sizes[:c]) for c in range(len(sizes))]
+    parts = partition(m.layers, pp * virtual_stages)
     out = []
-    for c in stage_chunks(stage, pp, virtual_stages):
-        first, last = c == 0, c == len(sizes) - 1
-        ids = list(range(starts[c], starts[c] + sizes[c]))
-        out.append(chunk_params(m, tp, first, last, ids, first and last and m.tie_embeddings, vocab_parallel))
+    for c in rank_chunks(stage, pp, virtual_stages):
+        first, last = c == 0, c == len(parts) - 1
+        out.append(chunk_params(m, tp, first, last, parts[c], first and last and m.tie_embeddings, vocab_parallel))
     return out
 
 

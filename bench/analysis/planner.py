@@ -1,7 +1,7 @@
 """The planner: every valid parallel config for a model, cluster and batch, ranked by predicted
 throughput.
 
-Enumerated: tp (dividing heads, ffn, vocab and the GPU count), pp (dividing what is left, ≤ layers),
+Enumerated: tp (dividing kv heads, ffn, vocab and the GPU count), pp (dividing what is left, ≤ layers),
 dp = gpus / (tp·pp) dividing the global batch; the micro-batch size b (m = B / (dp·b)); the
 schedule (gpipe, 1f1b, interleaved with every v that divides the layers); the model-state sharding
 (native ZeRO 0/1, DeepSpeed ZeRO 2/3, FSDP full/grad-op/hybrid); sequence parallel; recomputation;
@@ -19,6 +19,7 @@ from functools import lru_cache
 
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
 from bench.analysis.hardware import Hardware, get_hardware
+from bench.analysis.stage_plan import stage_plan
 from bench.config import ConfigError, RunConfig, structural_reason
 from models.config import get_preset
 
@@ -120,7 +121,7 @@ def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_
     does not divide the global batch."""
     m = get_preset(model)
     for tp in divisors(gpus):
-        if m.heads % tp or m.ffn_hidden % tp or m.vocab % tp:
+        if m.num_kv_heads % tp or m.ffn_hidden % tp or m.vocab % tp:  # kv_heads divides heads
             continue
         for pp in divisors(gpus // tp):
             if pp > m.layers:
@@ -201,13 +202,14 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
                 continue
             seen.add(key)
             valid += 1
-            mem = memory(shape, mixed_state, activations, extreme_stages(shape.pp))
+            stages = stage_plan(shape, gpus_per_node, extreme_stages(shape.pp))
+            mem = memory(stages, mixed_state, activations)
             if mem["total_bytes"] > limit:
                 parts = {k: mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")}
                 dropped[f"out of memory (> {memory_fraction:.0%} of {hw.memory_bytes / 2**30:.0f} GiB; "
                         f"largest part: {max(parts, key=parts.get).removesuffix('_bytes')})"] += 1
                 continue
-            time = predict_time(shape, hw, gpus_per_node, mixed_state, extreme_stages(shape.pp))
+            time = predict_time(stages, hw, mixed_state)
             results.append((shape, mem, time))
     results.sort(key=lambda r: (-round(r[2]["tokens_per_s"], 3), r[1]["total_bytes"]))  # ties: less memory
     return Plan([_row(*r) for r in results[:top]], considered, valid, len(results), dropped)

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench.backends.base import RunContext, Trainer, make_optimizer
 from bench.data import micro_batches
+from bench.surgery import recompute_blocks
 from models import build_model, loss_fn
 
 
@@ -23,8 +24,7 @@ class DDPTrainer(Trainer):
         cfg = ctx.cfg
         self.model = build_model(cfg.model_config, cfg.seed, ctx.device)
         if cfg.recompute == "full":
-            from bench.backends.fsdp import apply_recompute
-            apply_recompute(self.model)
+            recompute_blocks(self.model)
         self.ddp = DistributedDataParallel(self.model, process_group=ctx.groups.dp, bucket_cap_mb=cfg.bucket_mb,
                                            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         self.optimizer = make_optimizer(self.model.parameters())

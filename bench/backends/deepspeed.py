@@ -33,7 +33,8 @@ from bench.backends.deepspeed_config import final_config
 from bench.data import micro_batches
 from bench.distributed import ProcessGroups, comm_backend
 from bench.metrics.memory import optimizer_tensors
-from models import GPT, init_value, loss_fn
+from bench.surgery import fill_from_init, materialize, meta_module, recompute_blocks
+from models import GPT, loss_fn
 
 # Our dims → DeepSpeed's topology axis names.
 _AXIS = {"tp": "model", "pp": "pipe", "dp": "data"}
@@ -159,7 +160,7 @@ class _DeepSpeedTrainer(Trainer):
 
     def _initialize(self, model: nn.Module, mpu=None):
         if self.ctx.cfg.recompute == "full":
-            _recompute_blocks(model)
+            recompute_blocks(model)
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
         self.engine, self.optimizer, _, _ = self.ds.initialize(
             model=model, optimizer=optimizer, config=self.config, mpu=mpu, dist_init_required=False)
@@ -222,16 +223,6 @@ class _DeepSpeedTrainer(Trainer):
         _release_global_state()
 
 
-def _recompute_blocks(model: nn.Module) -> None:
-    """recompute=full: each block's activations are recomputed in backward (composable checkpoint,
-    parameter names and DeepSpeed's ZeRO-3 hooks unchanged)."""
-    from torch.distributed._composable.checkpoint_activation import checkpoint
-    from models import Block
-    for module in model.modules():
-        if isinstance(module, Block):
-            checkpoint(module)
-
-
 def _comms_counts() -> dict:
     """{op: {msg_size: count}} from DeepSpeed's comms logger (empty when it is off)."""
     from deepspeed import comm
@@ -267,9 +258,7 @@ class ZeroTrainer(_DeepSpeedTrainer):
         if cfg.tp > 1:  # the native engine's TP layers; ZeRO (any stage) then partitions over dp only
             from bench.native.tensor import shard_model
             self.tp_impl = "native"
-            with torch.device("meta"):
-                model = GPT(mcfg)
-            return shard_model(model, cfg, self.ctx.groups, torch.device("cpu"), cfg.seed)
+            return shard_model(meta_module(lambda: GPT(mcfg)), cfg, self.ctx.groups, torch.device("cpu"), cfg.seed)
         if cfg.zero < 3:
             from models import build_model
             return build_model(mcfg, cfg.seed, "cpu")
@@ -278,8 +267,7 @@ class ZeroTrainer(_DeepSpeedTrainer):
         # builds bf16 weights; without it the dtype comes from the config (fp32 or bf16).
         with self.ds.zero.Init(config_dict_or_path=self.config, mpu=self.mpu):
             model = GPT(mcfg)
-        for name, p in model.named_parameters():
-            _fill_partition(p, init_value(name, p.ds_shape, mcfg, cfg.seed))
+        fill_from_init(model, mcfg, cfg.seed)  # each rank writes its flat partitions only
         return model
 
     def train_step(self, step: int) -> float:
@@ -296,20 +284,6 @@ class ZeroTrainer(_DeepSpeedTrainer):
         return total
 
 
-def _fill_partition(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Write this rank's ZeRO-3 partition of `full`: the flat slice [rank·n, (rank+1)·n), zero-padded."""
-    import deepspeed.comm as dist
-    part = p.ds_tensor
-    n = part.numel()
-    start = dist.get_rank(group=p.ds_process_group) * n
-    flat = full.reshape(-1)[start:start + n]
-    with torch.no_grad():
-        part.zero_()
-        part[:flat.numel()].copy_(flat.to(part.dtype))
-        if p.numel():  # a parameter DeepSpeed keeps whole (persistence threshold) also holds the full value
-            p.data.copy_(full.to(p.dtype))
-
-
 # --- pipeline ---------------------------------------------------------------------------------------
 class Piece(nn.Module):
     """One pipeline layer: a piece of the shared GPT (built on meta, tensor-parallel shapes already
@@ -322,8 +296,8 @@ class Piece(nn.Module):
         super().__init__()
         for name, module in parts.items():
             self.add_module(name, module)
-        self.to_empty(device="cpu")  # the engine moves it to the accelerator
-        _fill_shards(self, prefix, run_cfg, tp_rank)
+        materialize(self, run_cfg.model_config, run_cfg.seed, "cpu",  # the engine moves it to the accelerator
+                    prefix=prefix, tp_rank=tp_rank, tp=run_cfg.tp)
         self.order = list(parts)
 
     def forward(self, x):  # embed: (B, T) → (B, T, h); block: (B, T, h) → (B, T, h); head: → (B, T, V/tp)
@@ -332,24 +306,10 @@ class Piece(nn.Module):
         return x
 
 
-def _fill_shards(module: nn.Module, prefix: str, run_cfg, tp_rank: int) -> None:
-    """This rank's tensor-parallel shard of each parameter's reference value (whole when tp = 1)."""
-    from bench.native.tensor import split_dim
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            full_name, shape = prefix + name, list(p.shape)
-            dim = split_dim(full_name) if run_cfg.tp > 1 else None
-            if dim is not None:
-                shape[dim] *= run_cfg.tp
-            full = init_value(full_name, shape, run_cfg.model_config, run_cfg.seed)
-            p.copy_(full if dim is None else full.narrow(dim, tp_rank * p.shape[dim], p.shape[dim]))
-
-
 def _meta_gpt(ctx: RunContext) -> nn.Module:
     """The whole GPT on the meta device (no memory), with tensor-parallel shapes and regions if tp > 1."""
     cfg = ctx.cfg
-    with torch.device("meta"):
-        model = GPT(cfg.model_config)
+    model = meta_module(lambda: GPT(cfg.model_config))
     if cfg.tp > 1:
         from bench.native.tensor import apply_tensor_parallel
         apply_tensor_parallel(model, cfg, ctx.groups.tp, ctx.groups.coord.tp, cfg.tp)

@@ -2,7 +2,8 @@
 
 Applied in the fixed order TP → PP → (recompute) → DP (torchtitan-style), on one DeviceMesh built from our Layout:
 - TP: `parallelize_module` on the mesh's tp dim: qkv and fc1 Colwise, proj and fc2 Rowwise (the fused
-  qkv is laid out (heads, 3, head_dim), so a contiguous Colwise shard is whole heads). Embedding,
+  qkv is laid out (kv_heads, group + 2, head_dim), so a contiguous Colwise shard is whole query groups
+  with their K/V head; tp divides kv_heads, checked by RunConfig). Embedding,
   norms and LM head stay replicated over tp (their grads are identical on every tp rank).
 - PP: `torch.distributed.pipelining` stages cut from the GPT (embed on the first stage, norm + head on
   the last); gpipe → ScheduleGPipe, 1f1b → Schedule1F1B, interleaved → ScheduleInterleaved1F1B with
@@ -11,60 +12,40 @@ Applied in the fixed order TP → PP → (recompute) → DP (torchtitan-style), 
     full     reshard_after_forward=True: all-gather in forward and again in backward (ZeRO-3)
     grad-op  reshard_after_forward=False: one all-gather per step, params kept until backward (ZeRO-2)
     hybrid   HSDP on a (replicate, shard) split of the dp ranks; shard = the dp ranks of one node,
-             capped so at least 2 replicas remain (`sharded_init.hybrid_shape`)
+             capped so at least 2 replicas remain (`hybrid_shape`)
     none     FSDP2's `replicate` (DDP semantics on FSDP2's machinery): no sharding, one gradient
              all-reduce per block group, the DDP-equivalent baseline inside this backend
-  recompute=full checkpoints every block (composable `checkpoint`, which keeps parameter names).
+  recompute=full checkpoints every block (`bench.surgery.recompute_blocks`, which keeps parameter names).
   bf16-mixed = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 compute and all-gathers,
   fp32 gradient reduction and fp32 master shards.
+
+Nothing is allocated before it is sharded: the GPT is built on meta, cut, parallelized, then each rank
+fills its local DTensor shards from `init_value` (`bench.surgery.materialize`).
+
+The DeviceMesh is built from our `Layout`, never from torch's default rank order, so every group torch
+creates from it has exactly the ranks of one of our tp/pp/dp groups (or, for HSDP, a sub-group of a
+dp group), and the communication counter names it correctly.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn as nn
 
 from bench.backends.base import RunContext, Trainer, make_optimizer
-from bench.backends.sharded_init import (device_mesh, dp_ranks_per_node, hybrid_shape, materialize, meta_module,
-                                        reset_dtensor_caches)
 from bench.data import micro_batches
+from bench.layout import Layout
 from bench.metrics.memory import optimizer_tensors
-from models import GPT, GPTConfig, loss_fn
-from models.gpt import Block, Embedding, _norm
+from bench.schedule import partition, rank_chunks
+from bench.surgery import cut_stages, materialize, meta_module, recompute_blocks
+from models import GPT, loss_fn
 
 RESHARD = {"full": True, "grad-op": False, "hybrid": True}
 
 
-class StageModule(nn.Module):
-    """Layers [lo, hi) of the GPT, plus the embedding on the first stage and norm + head on the last.
-
-    Parameter names equal the full model's (`blocks.5.attn.qkv.weight`), so `init_value` fills them."""
-
-    def __init__(self, cfg: GPTConfig, lo: int, hi: int, first: bool, last: bool):
-        super().__init__()
-        self.embed = Embedding(cfg) if first else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(lo, hi)})
-        self.norm = _norm(cfg) if last else None
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False) if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)  # (B, T) tokens → (B, T, h)
-        for block in self.blocks.values():
-            x = block(x)
-        if self.head is not None:
-            x = self.head(self.norm(x))  # (B, T, vocab)
-        return x
-
-
 def blocks_of(chunk: nn.Module) -> list[nn.Module]:
     return list(chunk.blocks.values()) if isinstance(chunk.blocks, nn.ModuleDict) else list(chunk.blocks)
-
-
-def stage_layers(layers: int, stages: int, index: int) -> tuple[int, int]:
-    """Layer range [lo, hi) of pipeline stage `index`: an even split, earlier stages take the remainder."""
-    base, extra = divmod(layers, stages)
-    lo = index * base + min(index, extra)
-    return lo, lo + base + (1 if index < extra else 0)
 
 
 def apply_tp(chunk: nn.Module, tp_mesh) -> None:
@@ -75,13 +56,6 @@ def apply_tp(chunk: nn.Module, tp_mesh) -> None:
             "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
     for block in blocks_of(chunk):
         parallelize_module(block, tp_mesh, plan)
-
-
-def apply_recompute(chunk: nn.Module) -> None:
-    """Recompute each block's activations in backward (composable checkpoint: names unchanged)."""
-    from torch.distributed._composable.checkpoint_activation import checkpoint
-    for block in blocks_of(chunk):
-        checkpoint(block)
 
 
 def apply_dp(chunk: nn.Module, strategy: str, dp_mesh, mp_policy) -> None:
@@ -99,6 +73,60 @@ def apply_dp(chunk: nn.Module, strategy: str, dp_mesh, mp_policy) -> None:
     fully_shard(chunk, mesh=dp_mesh, reshard_after_forward=None, mp_policy=mp_policy)
 
 
+# --- the device mesh ---------------------------------------------------------------------------
+def hybrid_shape(dp: int, dp_ranks_per_node: int) -> tuple[int, int]:
+    """(replicate, shard) sizes of HSDP over `dp` ranks.
+
+    Shard within a node (cheap all-gathers and reduce-scatters), replicate across nodes: the shard
+    size is the largest divisor of dp that fits the dp ranks of one node and still leaves at least
+    two replicas (a single replica would just be full sharding). dp = 2 → (2, 1); dp = 4 on one
+    node → (2, 2); dp = 16 with 8 dp ranks per node → (2, 8).
+    """
+    if dp < 2:
+        raise ValueError(f"hybrid sharding needs dp ≥ 2, got dp={dp}")
+    shard = max(d for d in range(1, dp) if dp % d == 0 and d <= max(dp_ranks_per_node, 1))
+    return dp // shard, shard
+
+
+def dp_ranks_per_node(layout: Layout, rank: int) -> int:
+    """How many ranks of this rank's dp group share its node (node size: LOCAL_WORLD_SIZE if set)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.gpus_per_node))
+    node = rank // per_node
+    return sum(1 for r in layout.group_of(rank, "dp") if r // per_node == node)
+
+
+def device_mesh(layout: Layout, device: torch.device, hybrid: tuple[int, int] | None = None):
+    """A DeviceMesh over the world, dims ("pp", "dp", "tp"), or ("pp", "dp_rep", "dp_shard", "tp").
+
+    mesh[p, d, t] = layout.rank(dp=d, pp=p, tp=t), so slicing a dim yields our own groups whatever
+    the rank order. For HSDP the dp index splits as d = rep · shard + s (shard ranks contiguous).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.tensor([[[layout.rank(dp=d, pp=p, tp=t) for t in range(layout.tp)]
+                           for d in range(layout.dp)] for p in range(layout.pp)], dtype=torch.int)
+    names = ("pp", "dp", "tp")
+    if hybrid is not None:
+        rep, shard = hybrid
+        ranks = ranks.view(layout.pp, rep, shard, layout.tp)  # (pp, dp, tp) → (pp, rep, shard, tp)
+        names = ("pp", "dp_rep", "dp_shard", "tp")
+    return DeviceMesh(device.type, ranks, mesh_dim_names=names)
+
+
+def reset_dtensor_caches() -> None:
+    """Forget DTensor's process-wide caches of sharding and redistribution plans.
+
+    They are keyed by meshes that compare equal across runs (same ranks, same dim names), so in a
+    warm rank process a later run would reuse a plan bound to the previous run's destroyed groups
+    ("Could not resolve the process group registered under the name …"). Call between runs."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute._planner_cache.clear()
+
+
 class FSDPTrainer(Trainer):
     def __init__(self, ctx: RunContext):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -112,12 +140,12 @@ class FSDPTrainer(Trainer):
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if cfg.dtype == "bf16-mixed" else MixedPrecisionPolicy())
         self.stage_ids = self._stage_ids()
-        self.chunks = [self._build_chunk(i) for i in self.stage_ids]
+        self.chunks = self._cut_chunks()
         for chunk in self.chunks:
             if cfg.tp > 1:
                 apply_tp(chunk, self.mesh["tp"])
             if cfg.recompute == "full":
-                apply_recompute(chunk)
+                recompute_blocks(chunk)
             apply_dp(chunk, cfg.fsdp, dp_mesh, mp)
             materialize(chunk, cfg.model_config, cfg.seed, ctx.device)
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
@@ -131,15 +159,16 @@ class FSDPTrainer(Trainer):
         return cfg.pp * (cfg.virtual_stages if cfg.schedule == "interleaved" else 1)
 
     def _stage_ids(self) -> list[int]:
-        pp, r = self.ctx.cfg.pp, self.ctx.groups.coord.pp
-        return list(range(r, self.n_stages, pp))  # looped: chunk j of pp rank r is stage r + j·pp
+        cfg = self.ctx.cfg
+        return rank_chunks(self.ctx.groups.coord.pp, cfg.pp, self.n_stages // cfg.pp)  # looped, as native
 
-    def _build_chunk(self, stage: int) -> nn.Module:
+    def _cut_chunks(self) -> list[nn.Module]:
+        """This rank's model chunks on meta: the whole GPT, or its pipeline stages (full-model names)."""
         m = self.ctx.cfg.model_config
+        gpt = meta_module(lambda: GPT(m))
         if self.n_stages == 1:
-            return meta_module(lambda: GPT(m))
-        lo, hi = stage_layers(m.layers, self.n_stages, stage)
-        return meta_module(lambda: StageModule(m, lo, hi, stage == 0, stage == self.n_stages - 1))
+            return [gpt]
+        return cut_stages(gpt, partition(m.layers, self.n_stages), self.stage_ids)
 
     def _schedule(self):
         from torch.distributed import pipelining as tpp

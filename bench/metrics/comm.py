@@ -19,6 +19,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from bench.analysis.comm import wire_bytes  # the one ring rule, shared with the cost model
+from bench.results import comm_column, comm_op_column
+
 # c10d op → (kind, index of the tensor argument that carries the payload)
 _C10D = {
     "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
@@ -39,19 +42,6 @@ _FUNCOL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
 
 def _nbytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(x) if isinstance(t, torch.Tensor))
-
-
-def wire_bytes(kind: str, payload: int, n: int) -> float:
-    """Bytes one rank moves for `payload` under a ring algorithm in a group of n ranks."""
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * payload
-    if kind == "all_gather":  # payload is the gathered output
-        return (n - 1) / n * payload
-    if kind == "reduce_scatter":  # payload is the full input
-        return (n - 1) / n * payload
-    return float(payload)
 
 
 @dataclass
@@ -124,12 +114,12 @@ class CommCounter(TorchDispatchMode):
         return self._group_cache[key]
 
     def totals(self) -> dict[str, float]:
-        """Row columns: comm_bytes_<dim>, comm_wire_bytes_<dim>, comm_ops_<dim>, comm_<dim>_<kind>_bytes."""
+        """Row columns (bench.results): comm_{bytes,wire_bytes,ops}_<dim> and comm_<dim>_<kind>_{bytes,ops}."""
         out: dict[str, float] = defaultdict(float)
         for (dim, kind), s in self.stats.items():
-            out[f"comm_bytes_{dim}"] += s.bytes
-            out[f"comm_wire_bytes_{dim}"] += s.wire_bytes
-            out[f"comm_ops_{dim}"] += s.ops
-            out[f"comm_{dim}_{kind}_bytes"] += s.bytes
-            out[f"comm_{dim}_{kind}_ops"] += s.ops
+            out[comm_column("bytes", dim)] += s.bytes
+            out[comm_column("wire_bytes", dim)] += s.wire_bytes
+            out[comm_column("ops", dim)] += s.ops
+            out[comm_op_column(dim, kind, "bytes")] += s.bytes
+            out[comm_op_column(dim, kind, "ops")] += s.ops
         return dict(out)

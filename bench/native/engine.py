@@ -2,7 +2,7 @@
 
 Nothing is materialized before it is sharded: the GPT is built on the meta device, tensor parallel
 swaps in local-shaped layers (still meta), the pipeline keeps only this rank's stages, and only
-those are allocated and filled from `models.init_value`, sliced to this rank's shard.
+those are allocated and filled from `models.init_value`, sliced to this rank's shard (`bench.surgery`).
 """
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ import torch.nn as nn
 from bench.backends.base import RunContext, Trainer, make_optimizer
 from bench.data import micro_batches
 from bench.native.data import DataParallel
-from bench.native.pipeline import Pipeline, Stage, partition, stage_layers_json
-from bench.native.tensor import apply_tensor_parallel, materialize
+from bench.native.pipeline import Pipeline, stage_layers_json
+from bench.native.tensor import apply_tensor_parallel
+from bench.schedule import partition, rank_chunks
+from bench.surgery import Stage, cut_stages, materialize, recompute_blocks
 from models import GPT
 
 
@@ -35,11 +37,11 @@ def parallelize(model: GPT, groups, cfg, device: torch.device, autocast_dtype=No
     apply_tensor_parallel(model, cfg, groups.tp, tp_rank, tp)
     p, v = groups.size("pp"), cfg.virtual_stages
     parts = partition(model.cfg.layers, p * v)
-    last = p * v - 1
-    sids = [j * p + groups.coord.pp for j in range(v)]
-    chunks = [Stage(model, parts[s], s == 0, s == last, cfg.recompute == "full") for s in sids]
+    chunks = cut_stages(model, parts, rank_chunks(groups.coord.pp, p, v))
     for chunk in chunks:
-        materialize(chunk, model.cfg, cfg.seed, device, tp_rank, tp)
+        if cfg.recompute == "full":
+            recompute_blocks(chunk)
+        materialize(chunk, model.cfg, cfg.seed, device, tp_rank=tp_rank, tp=tp)
         if model.cfg.tie_embeddings and chunk.embed is not None and chunk.head is not None:
             chunk.head.weight = chunk.embed.tok.weight  # to_empty unties them
     pipeline = Pipeline(chunks, cfg, groups, device, autocast_dtype)

@@ -1,8 +1,8 @@
-"""Pipeline parallelism: stage partition, schedules (GPipe, 1F1B, interleaved) and their executor.
+"""Pipeline parallelism: the executor of the schedules in `bench.schedule` (GPipe, 1F1B, interleaved).
 
-The model is cut into p·v contiguous *stages* (v = virtual stages per rank, 1 unless interleaved).
-Stage k runs on pipeline rank k mod p as that rank's chunk k div p; the embedding lives on stage 0,
-the final norm, head and loss on stage p·v − 1.
+The model is cut into p·v contiguous *stages* (v = virtual stages per rank, 1 unless interleaved;
+`bench.schedule.partition`). Stage k runs on pipeline rank k mod p as that rank's chunk k div p;
+the embedding lives on stage 0, the final norm, head and loss on stage p·v − 1.
 
 A schedule is this rank's list of actions ("F" | "B", chunk, micro-batch); one executor runs any
 of them. The bubble meter times compute (busy) against the rest of the pipeline phase (waiting
@@ -16,80 +16,11 @@ import time
 from contextlib import contextmanager
 
 import torch
-import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from bench.native.pipeline_comm import PipeComm
 from bench.native.tensor import vocab_parallel_cross_entropy
-
-
-def partition(layers: int, stages: int) -> list[list[int]]:
-    """Contiguous, balanced: sizes differ by at most one (earlier stages take the remainder)."""
-    base, extra = divmod(layers, stages)
-    out, start = [], 0
-    for s in range(stages):
-        n = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-class Stage(nn.Module):
-    """One contiguous slice of the GPT. Parameter names are the full model's ("blocks.5.mlp.fc1.weight")."""
-
-    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool, recompute: bool):
-        super().__init__()
-        self.embed = model.embed if first else None
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layer_ids})
-        self.norm = model.norm if last else None
-        self.head = model.head if last else None
-        self.recompute = recompute
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens (b, s) or hidden (b, s[/tp], h) → hidden, or vocab-sharded logits (b, s, V/tp) if last."""
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
-        if self.head is not None:
-            x = self.head(self.norm(x))
-        return x
-
-
-# --- schedules: this rank's ordered actions -------------------------------------------------------
-def gpipe(m: int, p: int, r: int) -> list[tuple[str, int, int]]:
-    """All forwards, then all backwards: m micro-batches in flight."""
-    return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
-
-
-def one_f_one_b(m: int, p: int, r: int) -> list[tuple[str, int, int]]:
-    """Warm-up of p − r − 1 forwards, steady one-forward-one-backward, cool-down: ≤ p in flight."""
-    warm = min(p - r - 1, m)
-    out = [("F", 0, i) for i in range(warm)]
-    for i in range(m - warm):
-        out += [("F", 0, warm + i), ("B", 0, i)]
-    return out + [("B", 0, i) for i in range(m - warm, m)]
-
-
-def interleaved(m: int, p: int, r: int, v: int) -> list[tuple[str, int, int]]:
-    """Megatron's interleaved 1F1B: v chunks per rank, micro-batches in groups of p (m % p == 0)."""
-    total = m * v
-
-    def unit(k: int, backward: bool) -> tuple[int, int]:
-        chunk = (k % (p * v)) // p
-        return (v - 1 - chunk if backward else chunk), (k // (p * v)) * p + k % p
-
-    warm = total if m == p else min((p - r - 1) * 2 + (v - 1) * p, total)
-    out = [("F", *unit(k, False)) for k in range(warm)]
-    for k in range(total - warm):
-        out += [("F", *unit(warm + k, False)), ("B", *unit(k, True))]
-    return out + [("B", *unit(k, True)) for k in range(total - warm, total)]
-
-
-def schedule(name: str, m: int, p: int, r: int, v: int) -> list[tuple[str, int, int]]:
-    if name == "interleaved" and p > 1:
-        return interleaved(m, p, r, v)
-    return gpipe(m, p, r) if name == "gpipe" else one_f_one_b(m, p, r)
+from bench.schedule import rank_chunks, schedule
+from bench.surgery import Stage
 
 
 def _grad_group(groups, device):
@@ -153,13 +84,14 @@ class Pipeline:
         self.tp_group, self.autocast_dtype = groups.tp, autocast_dtype
         self.comm = PipeComm(groups.pp, groups.ranks["pp"], self.r, _grad_group(groups, device))
         self.order = schedule(run_cfg.schedule, run_cfg.micro_batches, self.p, self.r, self.v)
+        self.sids = rank_chunks(self.r, self.p, self.v)
         self.meter = BubbleMeter(device)
         seq = run_cfg.seq // (groups.size("tp") if run_cfg.sequence_parallel else 1)
         self.act_shape = (run_cfg.micro_batch, seq, run_cfg.model_config.hidden)
         self.act_dtype = autocast_dtype or torch.float32
 
     def _sid(self, chunk: int) -> int:
-        return chunk * self.p + self.r
+        return self.sids[chunk]
 
     @property
     def last_sid(self) -> int:

@@ -5,7 +5,9 @@ column-parallel linear and left by a row-parallel one, so each region costs one 
 forward and its conjugate in backward (tensor_comm). With p = tp ranks:
 
     column-parallel  Y = X [A_1 … A_p]         rank i holds A_i (out/p rows of the weight):
-                                               attn.qkv (whole heads), mlp.fc1, head (vocab rows)
+                                               attn.qkv (whole query groups with their K/V
+                                               head: tp must divide kv_heads, K/V are never
+                                               replicated), mlp.fc1, head (vocab rows)
     row-parallel     Y = Σ_i X_i B_i           rank i holds B_i (in/p columns): attn.proj, mlp.fc2;
                                                the (replicated) bias is added once, after the sum
     vocab-parallel   embedding rows [i·V/p, (i+1)·V/p); tokens outside give zeros, the sum over
@@ -20,7 +22,7 @@ gradients, summed over tp once per step (`sequence_parallel_params`, reduced in 
 
 The regions are installed with forward hooks on the model's own modules, so the model's forward
 code (and every parameter name) is unchanged: `init_value(name, full_shape)` sliced along
-`split_dim(name)` is exactly this rank's shard.
+`split_dim(name)` is exactly this rank's shard (`bench.surgery` fills it; the split map lives there).
 """
 from __future__ import annotations
 
@@ -30,20 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench.native import tensor_comm as comm
-from models import init_value
-
-# Parameter name suffix → the dimension its tensor-parallel shard is cut along.
-_SPLITS = {"attn.qkv.weight": 0, "attn.qkv.bias": 0, "mlp.fc1.weight": 0, "mlp.fc1.bias": 0,
-           "attn.proj.weight": 1, "mlp.fc2.weight": 1, "embed.tok.weight": 0, "head.weight": 0}
-
-
-def split_dim(name: str) -> int | None:
-    """Dimension along which parameter `name` is sharded over tp; None when replicated."""
-    for suffix, dim in _SPLITS.items():
-        if name == suffix or name.endswith("." + suffix):
-            return dim
-    return None
-
+from bench.surgery import materialize, split_dim
 
 class ColumnParallelLinear(nn.Linear):
     """Y_i = X A_iᵀ (+ b_i): this rank's out_features/p output columns. No communication itself."""
@@ -110,7 +99,7 @@ def apply_tensor_parallel(model: nn.Module, run_cfg, group, rank: int, tp: int) 
     up = 2 * f if cfg.activation == "swiglu" else f
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(h, 3 * h // tp, bias=cfg.bias, device=device)
+        attn.qkv = ColumnParallelLinear(h, cfg.qkv_out // tp, bias=cfg.bias, device=device)
         attn.proj = RowParallelLinear(h // tp, h, cfg.bias, device)
         mlp.fc1 = ColumnParallelLinear(h, up // tp, bias=cfg.bias, device=device)
         mlp.fc2 = RowParallelLinear(f // tp, h, cfg.bias, device)
@@ -122,19 +111,6 @@ def apply_tensor_parallel(model: nn.Module, run_cfg, group, rank: int, tp: int) 
     return model
 
 
-def materialize(module: nn.Module, model_cfg, seed: int, device, rank: int, tp: int) -> nn.Module:
-    """Allocate `module` (on meta) on `device` and fill each parameter with its shard of init_value."""
-    module.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            dim, shape = split_dim(name), list(p.shape)
-            if dim is not None:
-                shape[dim] *= tp
-            full = init_value(name, shape, model_cfg, seed)
-            p.copy_(full if dim is None else full.narrow(dim, rank * p.shape[dim], p.shape[dim]))
-    return module
-
-
 def shard_model(model_on_meta: nn.Module, cfg, groups, device, seed: int) -> nn.Module:
     """Apply tensor parallel in place to a whole GPT built on meta and materialize this rank's shards.
 
@@ -142,7 +118,7 @@ def shard_model(model_on_meta: nn.Module, cfg, groups, device, seed: int) -> nn.
     vocab-sharded logits (B, T, V/tp): use `vocab_parallel_cross_entropy` on them."""
     tp, rank = groups.size("tp"), groups.coord.tp
     apply_tensor_parallel(model_on_meta, cfg, groups.tp, rank, tp)
-    materialize(model_on_meta, cfg.model_config, seed, device, rank, tp)
+    materialize(model_on_meta, cfg.model_config, seed, device, tp_rank=rank, tp=tp)
     if cfg.model_config.tie_embeddings:
         model_on_meta.tie_weights()
     return model_on_meta

@@ -11,15 +11,12 @@ from pathlib import Path
 import pandas as pd
 
 from bench.report.load import check_frame, load_one
+from bench.results import SCHEMA_VERSION
 
 META = "baseline.json"
 
 
 def schema_version() -> int:
-    try:
-        from bench.sweep.store import SCHEMA_VERSION
-    except ImportError:
-        return 1
     return SCHEMA_VERSION
 
 
@@ -45,7 +42,7 @@ def write_baseline(df: pd.DataFrame, folder) -> Path:
     meta = {"machine_kind": machine_kind(df), "schema_version": schema_version(),
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "git_sha": shas[0] if len(shas) == 1 else shas,  # the code that produced the rows
-            "runs": int(len(df)), "configs": int(df.get("config_id", df["run_id"]).nunique()),
+            "runs": int(len(df)), "configs": int(df["config_id"].nunique()),
             "sweeps": sorted({str(s) for s in df.get("sweep", pd.Series(dtype=object)).dropna()})}
     (folder / META).write_text(json.dumps(meta, indent=2) + "\n")
     return folder

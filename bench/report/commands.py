@@ -137,12 +137,12 @@ def history_show(config, metric, where, threshold, window, out, path):
     filters = dict(w.split("=", 1) for w in where)
     rows = h.select(df, config, filters)
     if not config and not filters:
-        listing = add_labels(rows).groupby("config_id" if "config_id" in rows else "run_id").agg(
+        listing = add_labels(rows).groupby("config_id").agg(
             label=("label", "first"), points=("time", "nunique"))
         for cid, r in listing.iterrows():
             click.echo(f"{cid}  {r['label']}  ({r['points']} point(s))")
         return
-    if "config_id" in rows and rows["config_id"].nunique() > 1:
+    if rows["config_id"].nunique() > 1:
         click.echo(f"note: {rows['config_id'].nunique()} configs match; their runs are pooled per time", err=True)
     points = h.series(rows, metric)
     if points.empty:

@@ -3,13 +3,15 @@
 Statistics live in one pure function, `judge`, so a test can feed it numbers by hand. Everything else
 groups rows (repeats of a config share `config_id`) and formats the verdicts.
 
+Which metric is exact, noisy or ignored is declared with the column (bench/results/schema.py):
+
 * exact metrics (parameter counts, state bytes, communication bytes and ops, predictions) are
   deterministic for a config: any difference is a `changed` verdict, a failure;
 * noisy metrics (step time, tokens/s, measured peak memory, measured bubble) regress only when the
   current median is worse than the baseline median by more than the threshold (default 5 %) AND by
   more than the noise: the larger spread (max − min) of the two sides' repeats. One run per side has
   no spread, so it compares by the threshold alone. (Measured memory and bubble also have a small
-  absolute floor, below which a change is not a regression: see NOISY.)
+  absolute floor, below which a change is not a regression: the column's `floor`.)
 """
 from __future__ import annotations
 
@@ -20,19 +22,13 @@ from dataclasses import asdict, dataclass, field
 import pandas as pd
 
 from bench.report.labels import config_label
+from bench.results import EXACT, Compare, Status
+from bench.results import NOISY as NOISY_COLUMNS
 
 DEFAULT_THRESHOLD = 0.05
 
-# name: (higher_is_better, floor): a change smaller than the floor (in the metric's unit) never counts —
-# the CPU memory probe reads whole pages of RSS, and a bubble of 0.4 % vs 0.9 % is no pipeline regression.
-NOISY = {
-    "step_time_s": (False, 0.0),
-    "tokens_per_s": (True, 0.0),
-    "peak_mem_bytes": (False, 2.0**20),
-    "bubble_fraction": (False, 0.02),
-}
-EXACT = ("params", "params_bytes", "grads_bytes", "optimizer_bytes", "persistent_bytes",
-         *(f"comm_{what}_{dim}" for what in ("bytes", "wire_bytes", "ops") for dim in ("tp", "pp", "dp")))
+NOISY = {name: (col.compare == Compare.HIGHER, col.floor) for name, col in NOISY_COLUMNS.items()}
+"""name: (higher_is_better, floor), from the declaration."""
 FAILED_VERDICTS = ("changed", "missing", "regressed", "failed")
 
 
@@ -110,12 +106,12 @@ def compare(base: pd.DataFrame, current: pd.DataFrame, thresholds: dict[str, flo
 
 def _compare_config(b: pd.DataFrame, c: pd.DataFrame, exact_cols, thresholds, default, exact_only) -> list[dict]:
     info = _describe(c)
-    b_ok, c_ok = b[b["status"] == "ok"], c[c["status"] == "ok"]
+    b_ok, c_ok = b[b["status"] == Status.OK], c[c["status"] == Status.OK]
     if b_ok.empty and c_ok.empty:
         return []  # failing or skipped on both sides: nothing measured to compare
     if c_ok.empty or b_ok.empty:
         verdict = "failed" if c_ok.empty else "fixed"
-        if c_ok.empty and (c["status"] == "skipped").all():
+        if c_ok.empty and (c["status"] == Status.SKIPPED).all():
             verdict = "skipped"  # now refused by a support check: less coverage, said, not a failure
         error = _first_error(c if c_ok.empty else b)
         return [{**info, "metric": "status", "kind": "status", "verdict": verdict, "gated": verdict == "failed",
@@ -143,19 +139,16 @@ def _compare_config(b: pd.DataFrame, c: pd.DataFrame, exact_cols, thresholds, de
 
 
 def _exact_columns(base: pd.DataFrame, current: pd.DataFrame) -> list[str]:
-    preds = sorted(c for c in set(base.columns) | set(current.columns)
-                   if c.startswith("pred_") and c != "pred_error")  # pred_error: why a prediction is absent
-    return [c for c in (*EXACT, *preds) if c in base.columns or c in current.columns]
+    return [c for c in EXACT if c in base.columns or c in current.columns]
 
 
 def _groups(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    key = "config_id" if "config_id" in df.columns else "run_id"
-    return {str(k): g for k, g in df.groupby(df[key].fillna(df["run_id"]), sort=True)}
+    return {str(k): g for k, g in df.groupby(df["config_id"].fillna(df["run_id"]), sort=True)}
 
 
 def _describe(group: pd.DataFrame) -> dict:
     row = group.iloc[0].to_dict()
-    return {"config_id": str(row.get("config_id", row["run_id"])), "run_id": str(row["run_id"]),
+    return {"config_id": str(row["config_id"]), "run_id": str(row["run_id"]),
             "label": config_label(row), "repeats": int(len(group)), "status": _statuses(group)}
 
 

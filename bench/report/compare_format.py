@@ -6,6 +6,7 @@ import math
 
 from bench.report.compare import Comparison
 from bench.report.render import markdown_table
+from bench.results import unit
 
 COLOURS = {"regressed": "bold red", "changed": "bold red", "missing": "bold red", "failed": "bold red", "improved": "green",
            "fixed": "green", "ok": "", "equal": "dim", "no data": "yellow", "skipped": "yellow"}
@@ -16,11 +17,12 @@ def fmt_value(metric: str, value) -> str:
         return "–"
     if isinstance(value, str):
         return value
-    if metric.endswith("bytes") or "_bytes_" in metric:
+    kind = unit(metric)  # as declared with the column
+    if kind == "bytes":
         return f"{value / 2**20:.3f} MiB" if abs(value) >= 2**16 else f"{value:,.0f} B"
-    if metric == "tokens_per_s":
+    if kind == "tokens/s":
         return f"{value:,.0f} tok/s"
-    if metric.endswith("_s"):
+    if kind == "s":
         return f"{value * 1e3:.2f} ms"
     if float(value).is_integer():
         return f"{value:,.0f}"

@@ -16,7 +16,9 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from bench.layout import DIMS  # noqa: E402
 from bench.report.labels import MiB, add_labels  # noqa: E402
+from bench.results import Status, comm_column  # noqa: E402
 
 PALETTE = "colorblind"
 MAX_BARS = 16  # configs per breakdown figure: the best by tokens/s (more is unreadable)
@@ -35,7 +37,7 @@ def ok_runs(df: pd.DataFrame, *needed: str) -> pd.DataFrame:
     """Successful runs that carry every `needed` metric (as numbers), with label columns."""
     if "status" not in df:
         return df.iloc[0:0]
-    ok = df[df["status"] == "ok"].copy()
+    ok = df[df["status"] == Status.OK].copy()
     for col in needed:
         if col not in ok:
             return ok.iloc[0:0]
@@ -46,7 +48,7 @@ def ok_runs(df: pd.DataFrame, *needed: str) -> pd.DataFrame:
 
 def per_config(ok: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
     """One row per config: the mean of `metrics` over repeats, the first repeat's other columns."""
-    key = "config_id" if "config_id" in ok else "run_id"
+    key = "config_id"
     first = ok.groupby(key, sort=False).head(1).set_index(key)
     means = ok.groupby(key, sort=False)[metrics].mean()
     first[metrics] = means
@@ -140,7 +142,7 @@ def backend_comparison(df: pd.DataFrame):
 
 def _best_config_runs(ok: pd.DataFrame) -> pd.DataFrame:
     """Per world size, variant and layout: every repeat of the config with the best mean tokens/s."""
-    key = "config_id" if "config_id" in ok else "run_id"
+    key = "config_id"
     means = ok.groupby(key)["tokens_per_s"].transform("mean")
     ok = ok.assign(_mean=means)
     best = ok.sort_values("_mean").groupby(["world_size", "variant", "layout"])[key].last()
@@ -174,10 +176,10 @@ def comm_breakdown(df: pd.DataFrame):
     ok = ok_runs(df, "tokens_per_s")
     if not ok.empty and "world_size" in ok:
         ok = ok[pd.to_numeric(ok["world_size"], errors="coerce").fillna(1) > 1]
-    measured = {dim: f"comm_bytes_{dim}" for dim in ("tp", "pp", "dp")}
+    measured = {dim: comm_column("bytes", dim) for dim in DIMS}
     if ok.empty or not any(c in ok for c in measured.values()):
         return "no successful multi-rank run with communication counts (comm_bytes_tp/pp/dp)"
-    predicted = {dim: f"pred_comm_bytes_{dim}" for dim in ("tp", "pp", "dp")}
+    predicted = {dim: "pred_" + comm_column("bytes", dim) for dim in DIMS}
     have_pred = any(c in ok for c in predicted.values())
     cols = [c for c in (*measured.values(), *predicted.values()) if c in ok]
     for c in cols:

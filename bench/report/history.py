@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.report.load import check_frame
+from bench.results import Status, label
 from bench.sweep.store import read_parquet
 
 DEFAULT_PATH = Path("results/history.parquet")
@@ -47,7 +48,7 @@ def select(df: pd.DataFrame, config: str | None, where: dict[str, str]) -> pd.Da
     """Rows of one config (a run_id or config_id, or a prefix of one) and/or column filters."""
     if config:
         ids = df["run_id"].astype(str)
-        cids = df["config_id"].astype(str) if "config_id" in df else ids
+        cids = df["config_id"].astype(str)
         df = df[ids.str.startswith(config) | cids.str.startswith(config)]
         if df.empty:
             raise ValueError(f"no history rows for config {config!r}; `bench history show` without --config "
@@ -63,7 +64,7 @@ def series(df: pd.DataFrame, metric: str) -> pd.DataFrame:
     """One point per run time: the metric's median over the repeats recorded then (ok runs only)."""
     if metric not in df:
         raise ValueError(f"no column {metric!r} in the history; try tokens_per_s, step_time_s or peak_mem_bytes")
-    ok = df[df["status"] == "ok"].copy()
+    ok = df[df["status"] == Status.OK].copy()
     ok[metric] = pd.to_numeric(ok[metric], errors="coerce")
     ok = ok[ok[metric].notna()]
     ok["when"] = pd.to_datetime(ok["time"], utc=True, errors="coerce")
@@ -104,7 +105,7 @@ def plot(points: pd.DataFrame, flagged: list[int], metric: str, title: str, out:
         ax.axvline(points["when"].iloc[i], color=figures.sns.color_palette(figures.PALETTE)[3], linestyle="--")
         ax.annotate(f"step change @ {points['git_sha'].iloc[i]}", (points["when"].iloc[i], points["value"].iloc[i]),
                     textcoords="offset points", xytext=(6, 10), fontsize=8)
-    ax.set(title=title, xlabel="run time (UTC)", ylabel=metric)
+    ax.set(title=title, xlabel="run time (UTC)", ylabel=label(metric))
     fig.autofmt_xdate()
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import pandas as pd
 
+from bench.config import RunConfig
+
 MiB = 2**20
+DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
+"""A label names only the options off these."""
 
 
 def present(value) -> bool:
@@ -40,15 +45,14 @@ def config_label(row) -> str:
         parts.append(f"{row.get('schedule')}{f' v{vs}' if vs > 1 else ''}")
     if m > 1:
         parts.append(f"m{m}")
-    for key, default, fmt in (("dtype", "fp32", "{}"), ("recompute", "none", "rc-{}"),
-                              ("order", "tp-pp-dp", "{}"), ("fault", "none", "fault={}")):
+    for key, fmt in (("dtype", "{}"), ("recompute", "rc-{}"), ("order", "{}"), ("fault", "fault={}")):
         value = row.get(key)
-        if present(value) and value != default:
+        if present(value) and value != DEFAULTS[key]:
             parts.append(fmt.format(value))
     if str(row.get("sequence_parallel")).lower() == "true":
         parts.append("sp")
     bucket = row.get("bucket_mb")
-    if present(bucket) and float(bucket) != 25.0:
+    if present(bucket) and float(bucket) != DEFAULTS["bucket_mb"]:
         parts.append(f"bucket {float(bucket):g} MiB")
     return " ".join(parts)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-REQUIRED = ("run_id", "status")
+REQUIRED = ("run_id", "config_id", "status")
 
 
 def load_many(paths) -> pd.DataFrame:

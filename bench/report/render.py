@@ -9,6 +9,7 @@ import pandas as pd
 
 from bench.report import figures, tables
 from bench.report.load import load_many
+from bench.results import Status
 
 CAPTIONS = {
     "throughput_heatmap": "Tokens per second for each tensor × pipeline layout, one panel per backend variant "
@@ -121,7 +122,7 @@ def _html(summary: dict, panels: list[dict], sections) -> str:
 def _html_header(summary: dict) -> str:
     pills = []
     for status, n in sorted(summary["counts"].items()):
-        kind = "ok" if status == "ok" else "skip" if status == "skipped" else "bad"
+        kind = {Status.OK: "ok", Status.SKIPPED: "skip"}.get(status, "bad")
         pills.append(f'<span class="pill {kind}">{n} {html.escape(str(status))}</span>')
     best = f"<p>Fastest: <b>{html.escape(summary['best'])}</b></p>" if summary["best"] else ""
     sweeps = f" · sweep {html.escape(', '.join(summary['sweeps']))}" if summary["sweeps"] else ""

@@ -8,6 +8,7 @@ import pandas as pd
 
 from bench.report.figures import ok_runs, per_config
 from bench.report.labels import MiB, add_labels, present
+from bench.results import Status
 
 PARITY_KEY = ("model", "model_overrides", "seed", "seq", "global_batch", "dtype", "steps", "warmup")
 PARITY_TOL = {"fp32": 1e-4}  # max |Δloss| relative to the reference loss; mixed precision: 2e-2
@@ -21,7 +22,7 @@ def summary(df: pd.DataFrame) -> dict:
     if not ok.empty:
         top = per_config(ok, ["tokens_per_s"]).sort_values("tokens_per_s").iloc[-1]
         best = f"{top['label']}: {top['tokens_per_s']:,.0f} tokens/s"
-    return {"runs": len(df), "counts": counts, "configs": df.get("config_id", df["run_id"]).nunique(),
+    return {"runs": len(df), "counts": counts, "configs": df["config_id"].nunique(),
             "best": best, "sweeps": sorted({str(s) for s in df.get("sweep", pd.Series(dtype=object)).dropna()})}
 
 
@@ -29,7 +30,7 @@ def top_configs(df: pd.DataFrame, n: int = 10) -> pd.DataFrame:
     ok = ok_runs(df, "tokens_per_s", "step_time_s")
     if ok.empty:
         return pd.DataFrame()
-    key = "config_id" if "config_id" in ok else "run_id"
+    key = "config_id"
     spread = ok.groupby(key)["tokens_per_s"].agg(lambda s: s.max() - s.min())
     metrics = [c for c in ("tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes", "persistent_bytes") if c in ok]
     cfg = per_config(ok, metrics).sort_values("tokens_per_s", ascending=False).head(n)
@@ -91,7 +92,7 @@ def _max_loss_diff(run, ref) -> float:
 
 
 def failures(df: pd.DataFrame) -> pd.DataFrame:
-    bad = df[df["status"] != "ok"]
+    bad = df[df["status"] != Status.OK]
     if bad.empty:
         return pd.DataFrame()
     bad = add_labels(bad)

@@ -74,7 +74,8 @@ def results(path, quiet, overhead):
     from rich.console import Console
 
     from bench.sweep.runner import print_counts, summary_table
-    from bench.sweep.store import STATUSES, ResultStore, load_results
+    from bench.results import Status
+    from bench.sweep.store import ResultStore, load_results
     path = Path(path)
     df = ResultStore(path).write_parquet() if path.is_dir() and (path / "runs").is_dir() else load_results(path)
     console = Console(highlight=False, width=max(Console().width, 140))
@@ -85,7 +86,7 @@ def results(path, quiet, overhead):
         from bench.sweep.runner import launch_overhead
         console.print("launch overhead: wall time per run, launch → row (s); work_s = the run's own steps")
         console.print(launch_overhead(df).to_string(index=False))
-    counts = {s: int((df["status"] == s).sum()) for s in STATUSES}
+    counts = {s: int((df["status"] == s).sum()) for s in Status}
     console.print(print_counts(counts) + (f"   → {path / 'results.parquet'}" if path.is_dir() else ""))
 
 

@@ -10,80 +10,20 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from bench.config import RunConfig
-from bench.results import failure_row
+from bench.results import PROBLEMS, Status, skipped_row
+from bench.sweep.launcher import Launcher
 from bench.sweep.spec import Expansion, SweepError, SweepSpec, expand
-from bench.sweep.store import STATUSES, ResultStore
-
-
-class LocalLauncher:
-    """Each run as its world-size processes on this machine, one run at a time. A warm RankPool per
-    world size serves every run of that size (fresh port and process groups per run); a failed or
-    hung run gets its processes killed and the pool restarts."""
-
-    kind = "local"
-
-    def __init__(self, log: Path | None = None):
-        self.log = log
-        """Where the ranks' stdout/stderr go (the terminal shows the sweep's progress)."""
-        self.pools: dict[int, object] = {}
-
-    def unsupported(self, cfg: RunConfig) -> str | None:
-        return None
-
-    def launch(self, runs: list[RunConfig], started: Callable, finished: Callable) -> None:
-        runs = sorted(runs, key=lambda c: c.world)  # stable: one pool alive at a time, file order within
-        from bench.sweep.local import RankPool
-        left = {w: sum(c.world == w for c in runs) for w in {c.world for c in runs}}
-        for cfg in runs:
-            if cfg.world not in self.pools:
-                if self.log:
-                    self.log.parent.mkdir(parents=True, exist_ok=True)
-                self.pools[cfg.world] = RankPool(cfg.world, log=self.log)
-            pool = self.pools[cfg.world]
-            started(cfg)
-            t0 = time.monotonic()
-            row = pool.run(cfg)
-            finished(cfg, {**row, "wall_s": time.monotonic() - t0})
-            left[cfg.world] -= 1
-            if not left[cfg.world]:
-                self.pools.pop(cfg.world).close()
-
-    def close(self) -> None:
-        for pool in self.pools.values():
-            pool.kill()
-        self.pools.clear()
-
-
-class DebugLauncher:
-    """In this process, world size 1 (debuggers, profilers)."""
-
-    kind = "debug"
-
-    def unsupported(self, cfg: RunConfig) -> str | None:
-        return None if cfg.world == 1 else f"the debug launcher runs world size 1 only, not {cfg.world}"
-
-    def launch(self, runs: list[RunConfig], started: Callable, finished: Callable) -> None:
-        from bench.sweep.local import run_debug
-        for cfg in runs:
-            started(cfg)
-            t0 = time.monotonic()
-            row = run_debug(cfg)
-            finished(cfg, {**row, "wall_s": time.monotonic() - t0})
-
-    def close(self) -> None:
-        pass
+from bench.sweep.store import ResultStore
 
 
 def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: str | None = None,
-                  exclusive: bool = False, max_parallel: int | None = None):
+                  exclusive: bool = False, max_parallel: int | None = None) -> Launcher:
     kind = kind or spec.launcher.kind
-    if kind == "local":
-        return LocalLauncher(log=out / "ranks.log")
-    if kind == "debug":
-        return DebugLauncher()
+    if kind in ("local", "debug"):
+        from bench.sweep.local import DebugLauncher, LocalLauncher
+        return LocalLauncher(log=out / "ranks.log") if kind == "local" else DebugLauncher()
     from bench.sweep.slurm import SlurmLauncher, load_profile
     options = spec.launcher.options if spec.launcher.kind == "slurm" else {}
     prof = load_profile(profile or spec.launcher.profile or "local", options, source=spec.source,
@@ -92,7 +32,12 @@ def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: 
         prof = replace(prof, exclusive=True)
     if max_parallel:
         prof = replace(prof, max_parallel=max_parallel)
-    return SlurmLauncher(prof, out, spec.name, {"sweep": spec.name, "launcher": "slurm"})
+    return SlurmLauncher(prof, ResultStore(out, sweep_columns(spec, SlurmLauncher.kind)), spec.name)
+
+
+def sweep_columns(spec: SweepSpec, launcher: str) -> dict:
+    """The columns a sweep adds to each of its rows: the store that writes the row adds them."""
+    return {"sweep": spec.name, "launcher": launcher}
 
 
 @dataclass
@@ -106,7 +51,7 @@ class SweepOutcome:
     """Runs not launched because a previous invocation stored them."""
 
 
-def plan(spec: SweepSpec, launch) -> Expansion:
+def plan(spec: SweepSpec, launch: Launcher) -> Expansion:
     """Expand the sweep; runs the launcher cannot place become skipped rows too. Raises SweepError when
     nothing at all can run (an impossible layout, say): that is a mistake in the file, not a result."""
     exp = expand(spec)
@@ -114,7 +59,7 @@ def plan(spec: SweepSpec, launch) -> Expansion:
     for cfg in exp.runs:
         reason = launch.unsupported(cfg)
         if reason:
-            exp.skipped.append(failure_row(cfg, "skipped", reason))
+            exp.skipped.append(skipped_row(cfg, reason))
         else:
             runnable.append(cfg)
     exp.runs = runnable
@@ -132,23 +77,21 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     out = Path(out)
     launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
     exp = plan(spec, launch)
-    store = ResultStore(out)
+    store = ResultStore(out, sweep_columns(spec, launch.kind))
     stored = store.statuses()
     if stored and not (resume or retry_failed):
         raise ValueError(f"{out} already holds {len(stored)} run row(s); add --resume to skip the finished runs "
                          "(--retry-failed to rerun the failed ones too), or choose another --out")
-    if hasattr(launch, "check_ready"):
-        launch.check_ready()
+    launch.check_ready()
     out.mkdir(parents=True, exist_ok=True)
     source = Path(spec.source)
     if source.is_file() and source.resolve() != (out / "sweep.yaml").resolve():
         shutil.copyfile(source, out / "sweep.yaml")
-    extra = {"sweep": spec.name, "launcher": launch.kind}
-    outcome = SweepOutcome(out=out, counts={s: 0 for s in STATUSES}, wall_s=0.0)
+    outcome = SweepOutcome(out=out, counts={s: 0 for s in Status}, wall_s=0.0)
 
-    def record(row: dict) -> None:
-        row = {**row, **extra}
-        store.write(row)
+    def record(row: dict, written: bool = False) -> None:
+        """Store a row once: `written` when its launcher already stored it (a Slurm task writes its own)."""
+        row = row if written else store.write(row)
         outcome.rows.append(row)
         outcome.counts[row["status"]] += 1
 
@@ -157,7 +100,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
         record(row)
     for cfg in exp.runs:
         previous = stored.get(cfg.run_id)
-        if previous == "ok" or (previous is not None and not retry_failed):
+        if previous == Status.OK or (previous is not None and not retry_failed):
             outcome.resumed += 1
         else:
             todo.append(cfg)
@@ -166,8 +109,8 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     if outcome.resumed:
         bar.log(f"resume: {outcome.resumed} run(s) already stored in {out}/runs, not launched")
 
-    def finished(cfg: RunConfig, row: dict) -> None:
-        record(row)
+    def finished(cfg: RunConfig, row: dict, written: bool = False) -> None:
+        record(row, written)
         bar.finished(cfg, row)
 
     try:
@@ -221,8 +164,8 @@ class SweepProgress:
 
     def _text(self) -> str:
         c = self.counts
-        bad = sum(c[s] for s in ("failed", "oom", "timeout", "cancelled"))
-        return f"ok {c['ok']} · running {self.running} · failed {bad} · skipped {c['skipped']}"
+        bad = sum(c[s] for s in PROBLEMS)
+        return f"ok {c[Status.OK]} · running {self.running} · failed {bad} · skipped {c[Status.SKIPPED]}"
 
     def log(self, text: str) -> None:
         if self.enabled:
@@ -236,9 +179,9 @@ class SweepProgress:
         self.running = max(0, self.running - 1)
         self.done += 1
         status = row["status"]
-        colour = {"ok": "green", "skipped": "yellow"}.get(status, "red")
+        colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(status, "red")
         from rich.markup import escape
-        note = "" if status == "ok" else "  " + escape(_first_line(row.get("error")))
+        note = "" if status == Status.OK else "  " + escape(_first_line(row.get("error")))
         wall = row.get("wall_s")
         self.log(f"[{self.done}/{self.total}] [{colour}]{status:9}[/] {describe(cfg)}"
                  + (f"  ({wall:.1f} s)" if wall is not None else "") + note)
@@ -269,7 +212,7 @@ def _varying(rows: list[dict]) -> list[str]:
     return list(ALWAYS) + [n for n in names if len({str(r.get(n)) for r in rows}) > 1]
 
 
-def dry_run_table(spec: SweepSpec, exp: Expansion, launch=None):
+def dry_run_table(spec: SweepSpec, exp: Expansion, launch: Launcher | None = None):
     from rich.markup import escape
     from rich.table import Table
     rows = [{**c.to_row(), "status": "planned", "error": ""} for c in exp.runs] + exp.skipped
@@ -301,11 +244,11 @@ def summary_table(rows: list[dict], title: str):
     table = Table(title=title)
     for name in (*columns, "status", "step ms", "tokens/s", "MFU", "peak MiB", "note"):
         table.add_column(name, overflow="fold", max_width=60 if name == "note" else None)
-    order = {s: i for i, s in enumerate(STATUSES)}
+    order = {s: i for i, s in enumerate(Status)}
     for row in sorted(rows, key=lambda r: (order.get(r["status"], 9), str(r.get("backend")), r.get("world_size") or 0,
                                            str(r.get("tp")), str(r.get("pp")))):
-        ok = row["status"] == "ok"
-        colour = {"ok": "green", "skipped": "yellow"}.get(row["status"], "red")
+        ok = row["status"] == Status.OK
+        colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(row["status"], "red")
         table.add_row(*(_cell(row.get(c)) for c in columns), f"[{colour}]{row['status']}[/]",
                       f"{row['step_time_s'] * 1e3:.1f}" if ok else "",
                       f"{row['tokens_per_s']:.0f}" if ok else "",
@@ -324,7 +267,7 @@ def _cell(value) -> str:
 
 def print_counts(counts: dict) -> str:
     """'ok 3 · failed 1 · …' over every status."""
-    return " · ".join(f"{s} {counts.get(s, 0)}" for s in STATUSES)
+    return " · ".join(f"{s} {counts.get(s, 0)}" for s in Status)
 
 
 def launch_overhead(df):
@@ -336,7 +279,7 @@ def launch_overhead(df):
     run is a fresh job and its wall time counts from the array's submission, so it includes waiting for
     earlier runs of the array: `sacct -o JobID,Submit,Start,End` gives each job's own start-up time."""
     import pandas as pd
-    ok = df[df.status == "ok"].sort_values("time")
+    ok = df[df.status == Status.OK].sort_values("time")
     rows = []
     for (launcher, world), group in ok.groupby(["launcher", "world_size"], sort=True):
         walls = group.wall_s.astype(float)

@@ -1,10 +1,11 @@
 """Slurm launcher: one Slurm job per run through submitit, runs of one shape submitted as a job array.
 
 Each run is a job of `nodes` × `tasks_per_node` tasks (one task per rank). Every task calls
-`slurm_task`, which leaves torch.distributed to `bench.distributed.init_from_env` (it maps
-SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID / SLURM_JOB_NODELIST to RANK / WORLD_SIZE / LOCAL_RANK /
-MASTER_ADDR and derives MASTER_PORT from the job id): no torchrun inside the job. Rank 0 writes the
-run's row to the results store itself, so a sweep process that dies loses no finished run.
+`slurm_task`, which leaves torch.distributed to `bench.distributed.init_from_env` (submitit's
+TorchDistributedEnvironment maps the SLURM_* variables to RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR
+and draws MASTER_PORT from the job id): no torchrun inside the job. Rank 0 writes the
+run's row to the results store itself, so a sweep process that dies loses no finished run; the sweep
+writes only the rows of jobs that ended without one (failed, timeout, oom, cancelled).
 
 Cluster settings live in named profiles, slurm/profiles/<name>.yaml (keys: PROFILE_KEYS); a sweep file
 may override any of them under `launcher:`. A profile is a pydantic dataclass (strict types, bounds
@@ -25,7 +26,9 @@ from annotated_types import Ge
 from pydantic import Strict
 
 from bench.config import RunConfig
-from bench.results import classify_error, failure_row
+from bench.results import Status, classify_error, failure_row
+from bench.sweep.launcher import Launcher
+from bench.sweep.store import ResultStore
 from bench.typed_yaml import FileError, file_error, known_keys, load_yaml, suggest
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "profiles"
@@ -122,8 +125,9 @@ def _profile(name: str, values: dict, source: str, prefix: str) -> SlurmProfile:
         raise file_error(e, source, prefix, unknown, values) from None
 
 
-def slurm_task(cfg_dict: dict, out: str | None, extra: dict) -> dict | None:
-    """Body of every Slurm task (one per rank). Returns the row on rank 0, None on the others."""
+def slurm_task(cfg_dict: dict, store: ResultStore, submitted: float) -> dict | None:
+    """Body of every Slurm task (one per rank). Rank 0 writes the row to `store` and returns it; the others
+    return None. `submitted`: time.time() when the sweep submitted the job."""
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)  # sbatch exports the submitter's environment: never inherit a rank
     import torch
@@ -131,20 +135,20 @@ def slurm_task(cfg_dict: dict, out: str | None, extra: dict) -> dict | None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from bench import worker
     row = worker.run(RunConfig.from_dict(cfg_dict))
-    if row is not None and out:
-        from bench.sweep.store import ResultStore
-        job = os.environ.get("SLURM_ARRAY_JOB_ID")
-        job_id = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID")
-        row = {**row, **extra, "slurm_job_id": job_id}
-        ResultStore(out).write(row)  # at once: the row survives a sweep process that died meanwhile
-    return row
+    if row is None:
+        return None
+    job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    row["slurm_job_id"] = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID")
+    row["wall_s"] = time.time() - submitted  # includes waiting in the array (the cluster's clocks agree)
+    return store.write(row)  # at once, and only here: the row survives a sweep process that died meanwhile
 
 
-class SlurmLauncher:
+class SlurmLauncher(Launcher):
     kind = "slurm"
 
-    def __init__(self, profile: SlurmProfile, out: Path, sweep: str, extra: dict):
-        self.profile, self.out, self.sweep, self.extra = profile, Path(out), sweep, extra
+    def __init__(self, profile: SlurmProfile, store: ResultStore, sweep: str):
+        """`store`: the ResultStore each run's rank 0 writes its row to (its folder also holds the job logs)."""
+        self.profile, self.store, self.out, self.sweep = profile, store, store.out, sweep
         self.jobs: list = []
 
     def unsupported(self, cfg: RunConfig) -> str | None:
@@ -192,8 +196,9 @@ class SlurmLauncher:
         try:
             for cfgs in groups.values():
                 ex = self._executor(cfgs[0], len(cfgs))
+                now = time.time()
                 with ex.batch():
-                    jobs = [ex.submit(slurm_task, cfg.to_dict(), str(self.out), self.extra) for cfg in cfgs]
+                    jobs = [ex.submit(slurm_task, cfg.to_dict(), self.store, now) for cfg in cfgs]
                 submitted = time.monotonic()
                 pending += [_Tracked(cfg, job, submitted) for cfg, job in zip(cfgs, jobs)]
             self.jobs = [t.job for t in pending]
@@ -220,8 +225,10 @@ class SlurmLauncher:
                 row = t.outcome(state)
                 if row is not None:
                     t.collected = True
-                    row["wall_s"] = time.monotonic() - t.submitted  # includes waiting in the array
-                    finished(t.cfg, row)
+                    written = row["status"] == Status.OK  # by the task itself
+                    if not written:
+                        row["wall_s"] = time.monotonic() - t.submitted  # includes waiting in the array
+                    finished(t.cfg, row, written)
             time.sleep(self.profile.poll_s)
 
     def close(self) -> None:
@@ -259,7 +266,7 @@ class _Tracked:
         finished_state = state not in ("PENDING", "RUNNING", "UNKNOWN", "READY", "REQUEUED", "COMPLETING",
                                        "PREEMPTED", "CONFIGURING", "SUSPENDED", "")
         if all(o is not None and o[0] == "success" for o in outcomes):
-            return {**outcomes[0][1], **self._ids()}
+            return outcomes[0][1]  # the row rank 0 wrote
         if not finished_state:
             return None
         return {**failure_row(self.cfg, *self._failure(state, outcomes)), **self._ids()}

@@ -32,11 +32,10 @@ the heads, a backend without pipeline support, …) is not an error: it becomes 
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -44,6 +43,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Va
                       create_model, field_validator, model_validator)
 
 from bench.config import BACKENDS, ConfigError, RunConfig, field_types, model_config
+from bench.results import skipped_row
 from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
 from models.config import PRESETS, GPTConfig
 
@@ -493,10 +493,6 @@ def _hashable(value):
     return tuple(value) if isinstance(value, list) else value
 
 
-def _default(f):
-    return f.default_factory() if f.default is MISSING else f.default
-
-
 def _make(params: dict, reason: str | None) -> RunConfig | dict:
     if reason is None:
         try:
@@ -504,22 +500,3 @@ def _make(params: dict, reason: str | None) -> RunConfig | dict:
         except ConfigError as e:
             reason = str(e)
     return skipped_row(params, reason)
-
-
-def skipped_row(params: dict, reason: str) -> dict:
-    """A row for a combination that cannot run: every config column (defaults filled in), the reason."""
-    from bench.environment import environment
-    row = {name: _default(f) for name, f in RUN_FIELDS.items()}
-    row.update(params)
-    if row.get("seq") is None:
-        try:
-            from bench.config import model_config
-            row["seq"] = model_config(row["model"], tuple(row.get("model_overrides") or ())).seq_len
-        except (ConfigError, ValueError, TypeError):
-            pass
-    if row.get("dp") == "auto":
-        row["dp"] = None  # unresolved: the world size does not divide
-    row = {k: (json.dumps(list(v)) if isinstance(v, (tuple, list)) else v) for k, v in row.items()}
-    digest = hashlib.sha1(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return {**row, "run_id": digest, "config_id": digest, "global_batch": None,
-            "status": "skipped", "error": reason, "failed_rank": None, **environment()}

@@ -1,0 +1,116 @@
+"""The stage plan of one config: what each pipeline rank holds and runs, worked out once and read
+by the memory, communication and time models (`bench.analysis.memory`, `.comm`, `.estimate`).
+
+Per pipeline rank (its tp·dp peers are alike): the model chunks and their layers, whether it holds
+the embedding (chunk 0) or the head (the last chunk), its parameters (its tp shard, before dp
+sharding), and the activations in flight at its peak — read off the action lists its backend runs
+(`bench.schedule`), as is the step's bubble. Per config: how the dp group shards the model state.
+The per-parameter detail (native gradient buckets, FSDP2 groups, ZeRO-3 parameter sizes) is
+looked up on demand through the plan (cached per rank shape), since each backend needs only its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache, partial
+
+from bench.analysis.memory import rank_params, sharding
+from bench.analysis.params import fsdp_group_sizes, native_buckets, numel, stage_chunk_params
+from bench.schedule import Step, partition, rank_chunks, rank_peak, schedule_step
+from models.config import GPTConfig
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One pipeline rank."""
+
+    stage: int  # its pipeline rank
+    chunks: tuple[int, ...]  # global chunk ids, in local order
+    layer_ids: tuple[tuple[int, ...], ...]  # per local chunk
+    first: bool  # holds chunk 0: the embedding
+    last: bool  # holds the last chunk: final norm, head and loss
+    params: float  # parameters of its tp shard, before dp sharding
+    in_flight: int  # chunk-micro-batches whose activations it holds at its peak
+    layers_in_flight: float  # layer-micro-batches at that peak
+    head_in_flight: int  # micro-batches whose logits and loss the last chunk holds (0 if not last)
+
+    @property
+    def layers(self) -> int:
+        return sum(map(len, self.layer_ids))
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One config's plan: the schedule its backend runs, the simulated step, the dp sharding, and
+    the planned pipeline ranks."""
+
+    cfg: object  # the RunConfig-like config planned
+    gpus_per_node: int | None  # None: one machine
+    schedule: str  # the action lists its backend runs
+    fill_when_m_is_p: bool  # see bench.schedule.interleaved
+    step: Step  # the simulated step at unit costs: bubble, critical path
+    sharding: str  # what dp shards: none | optimizer | grads | params
+    shard: int  # over how many ranks
+    ranks: dict[int, RankPlan]  # the planned pipeline ranks, by stage
+
+    @property
+    def n_chunks(self) -> int:
+        return self.cfg.pp * self.cfg.virtual_stages
+
+    @property
+    def state_divisors(self) -> tuple[int, int, int]:
+        """Divisors of (params, grads, optimizer) bytes from the sharding."""
+        n = self.shard
+        return {"none": (1, 1, 1), "optimizer": (1, 1, n), "grads": (1, n, n), "params": (n, n, n)}[self.sharding]
+
+    def _key(self, stage: int) -> tuple:
+        c = self.cfg
+        return c.model_config, c.tp, c.pp, c.virtual_stages, stage
+
+    def buckets(self, stage: int) -> tuple[tuple[int, ...], int]:
+        """(element counts of the native engine's gradient buckets, of its sequence-parallel bucket)."""
+        return native_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb)
+
+    def fsdp_groups(self, stage: int, shard: int) -> tuple[tuple[str, int], ...]:
+        """(kind, padded element count) of each FSDP2 group of a rank, sharded `shard` ways."""
+        return fsdp_group_sizes(*self._key(stage), shard)
+
+    def param_sizes(self, stage: int) -> list[int]:
+        """Element counts of every parameter a rank holds, in registration order."""
+        return [numel(s) for chunk in stage_chunk_params(*self._key(stage)) for _, s, _ in chunk]
+
+
+def executed_schedule(cfg) -> tuple[str, bool]:
+    """(schedule, fill_when_m_is_p) of the action lists the backend runs. Without a pipeline every
+    backend but the native one accumulates gradients one micro-batch at a time (1F1B at p = 1); the
+    native engine runs its schedule's order even then. FSDP's pipeline is torch.distributed.pipelining."""
+    if cfg.pp == 1 and cfg.backend != "native":
+        return "1f1b", True
+    return cfg.schedule, cfg.backend != "fsdp"
+
+
+@lru_cache(maxsize=65536)
+def rank_plan(mc: GPTConfig, tp: int, pp: int, virtual_stages: int, micro_batches: int, schedule: str,
+              fill_when_m_is_p: bool, stage: int) -> RankPlan:
+    """One pipeline rank's share (cached: the planner asks for the same ranks under many dp sizes
+    and backends)."""
+    p, m, v = pp, micro_batches, virtual_stages
+    parts = partition(mc.layers, p * v)
+    chunks = tuple(rank_chunks(stage, p, v))
+    layer_ids = tuple(tuple(parts[c]) for c in chunks)
+    first, last = 0 in chunks, len(parts) - 1 in chunks
+    layers = tuple(len(ids) for ids in layer_ids)
+    head = tuple(int(j == v - 1) for j in range(v))
+    peak = partial(rank_peak, schedule, m, p, stage, v, fill_when_m_is_p)
+    return RankPlan(stage, chunks, layer_ids, first, last, rank_params(mc, tp, p, sum(layers), first, last),
+                    peak(), peak(layers), peak(head) if last else 0)
+
+
+def stage_plan(cfg, gpus_per_node: int | None = None, stages=None) -> StagePlan:
+    """The plan of `cfg` for the listed pipeline ranks (all by default). `gpus_per_node`: where FSDP
+    hybrid's shard groups end (None: one machine holds every dp rank)."""
+    name, fill = executed_schedule(cfg)
+    shape = (cfg.model_config, cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batches, name, fill)
+    stages = range(cfg.pp) if stages is None else stages
+    run = schedule_step(name, cfg.micro_batches, cfg.pp, cfg.virtual_stages, fill)
+    return StagePlan(cfg, gpus_per_node, name, fill, run, *sharding(cfg, gpus_per_node),
+                     {s: rank_plan(*shape, s) for s in stages})

@@ -1,0 +1,122 @@
+"""One builder per outcome: `measured_row` (ok), `failure_row` (failed, oom, timeout, cancelled) and
+`skipped_row` (a combination that cannot run, or that the launcher cannot place).
+
+Every row carries the config columns, `status`, `error` and the environment; the measured row adds
+the columns of `schema.COLUMNS`, each made one from every rank's value as the column declares.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import traceback
+from dataclasses import MISSING, fields
+
+from bench.config import ConfigError, RunConfig, _digest, model_config
+from bench.environment import environment
+from bench.results.schema import COLUMNS, PROBLEMS, SCHEMA_VERSION, Status, comm_columns
+
+
+def failure_row(cfg: RunConfig, status: str, error: str, failed_rank: int | None = None) -> dict:
+    """A run that was launched and produced no measurement; it keeps every config column."""
+    assert Status(status) in PROBLEMS, f"{status}: not a failure (skipped runs: skipped_row)"
+    return _row(cfg.to_row(), status, error, failed_rank)
+
+
+def skipped_row(run: RunConfig | dict, reason: str) -> dict:
+    """A combination that cannot run: a RunConfig the launcher cannot place (its own run_id), or sweep
+    parameters RunConfig refused (every config column with defaults filled in, and an id hashed from them)."""
+    return _row(run.to_row() if isinstance(run, RunConfig) else _refused_config(run), Status.SKIPPED, reason)
+
+
+def _row(config: dict, status: Status | str, error: str | None, failed_rank: int | None = None) -> dict:
+    return {"SCHEMA_VERSION": SCHEMA_VERSION, **config, "status": Status(status).value, "error": error,
+            "failed_rank": failed_rank, **environment()}
+
+
+def _refused_config(params: dict) -> dict:
+    row = {f.name: (f.default_factory() if f.default is MISSING else f.default) for f in fields(RunConfig)}
+    row.update(params)
+    if row.get("seq") is None:
+        try:
+            row["seq"] = model_config(row["model"], tuple(row.get("model_overrides") or ())).seq_len
+        except (ConfigError, ValueError, TypeError):
+            pass
+    if row.get("dp") == "auto":
+        row["dp"] = None  # unresolved: the world size does not divide
+    row = {k: (json.dumps(list(v)) if isinstance(v, (tuple, list)) else v) for k, v in row.items()}
+    digest = _digest(row)  # the whole row: a refused config has no canonical form
+    return {**row, "run_id": digest, "config_id": digest, "global_batch": None}
+
+
+def classify_error(text: str) -> Status:
+    """oom for out-of-memory errors (CUDA or host), failed for anything else."""
+    lowered = text.lower()
+    return Status.OOM if ("out of memory" in lowered or "memoryerror" in lowered) else Status.FAILED
+
+
+def format_exception(exc: BaseException) -> str:
+    """The traceback's last 4,000 characters: enough to name the failing line, small enough for a row."""
+    return "".join(traceback.format_exception(exc))[-4000:]
+
+
+# --- the measured row ---------------------------------------------------------------------------------------
+
+
+def measured_row(cfg: RunConfig, ranks: list[dict], device) -> dict:
+    """The row of a run that finished, from every rank's measurements (the dicts of worker._measure:
+    losses, times, peak_mem, state, comm, extras, peak_flops on rank 0, device_name)."""
+    from bench.analysis.estimate import predict_row
+    from bench.metrics.timer import StepTimer
+    from models import count_params, flops_per_token
+    timer = StepTimer(device)
+    timer.times = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]  # slowest rank
+    timing = timer.summary()
+    step_s = timing["step_time_s"]
+    flops_step = flops_per_token(cfg.model_config, cfg.seq) * cfg.tokens_per_step
+    peak, peak_src = ranks[0]["peak_flops"]
+    losses = _replica_losses(ranks)
+    row = {**_row(cfg.to_row(), Status.OK, None), "params": count_params(cfg.model_config), **timing,
+           "tokens_per_s": cfg.tokens_per_step / step_s,
+           "tflops_per_device": flops_step / step_s / cfg.world / 1e12,
+           "peak_flops": peak, "peak_flops_source": peak_src,
+           "peak_mem_bytes": over_ranks("peak_mem_bytes", [r["peak_mem"] for r in ranks]),
+           "peak_mem_bytes_per_rank": json.dumps([r["peak_mem"] for r in ranks]),
+           "loss_first": losses[0], "loss_last": losses[-1], "losses": json.dumps(losses),
+           "device_name": ranks[0]["device_name"]}
+    row["mfu"] = row["tflops_per_device"] * 1e12 / peak
+    for kind in ("params", "grads", "optimizer"):
+        row[f"{kind}_bytes"] = over_ranks(f"{kind}_bytes", [r["state"][kind] for r in ranks])
+    persistent = [sum(r["state"].values()) for r in ranks]
+    row.update(persistent_bytes=over_ranks("persistent_bytes", persistent),
+               persistent_bytes_per_rank=json.dumps(persistent))
+    for key in sorted({k for r in ranks for k in r["comm"]} | set(comm_columns())):
+        row[key] = over_ranks(key, [r["comm"].get(key, 0) for r in ranks])  # a rank without the op sent 0
+    row.update(_merge_extras([r["extras"] for r in ranks]))
+    row.update(predict_row(cfg))  # pred_* columns beside the measured ones (bench.analysis)
+    return row
+
+
+def _replica_losses(ranks: list[dict]) -> list[float]:
+    """Mean over the ranks that computed a loss: every data-parallel replica reports equally often."""
+    out = []
+    for i in range(len(ranks[0]["losses"])):
+        values = [r["losses"][i] for r in ranks if r["losses"][i] is not None]
+        out.append(sum(values) / len(values) if values else float("nan"))
+    return out
+
+
+def over_ranks(name: str, values: list):
+    """One value from every rank's, as column `name` declares (undeclared: numbers mean, else rank 0's)."""
+    col = COLUMNS.get(name)
+    how = col.ranks if col else "mean"
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if how == "max" and numbers:
+        return max(values)
+    if how == "mean" and numbers:
+        return statistics.fmean(values)
+    return values[0]
+
+
+def _merge_extras(extras: list[dict]) -> dict:
+    """Backend extras: the columns rank 0 reports, each over the ranks that report it."""
+    return {key: over_ranks(key, [e[key] for e in extras if key in e]) for key in extras[0]}

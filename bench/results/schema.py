@@ -1,0 +1,297 @@
+"""Every column of a result row, declared once: name, type, unit, meaning, kind, how the ranks'
+values become one, and how `bench compare` judges it.
+
+The store's schema check, compare's exact and noisy sets, the report's units and the README's table
+all read `COLUMNS`. Config columns come from RunConfig's fields (their `help` is the meaning);
+columns with a suffix per parallel dimension (`comm_bytes_{tp,pp,dp}`) come from one `Family`.
+Pure Python: no torch, no pandas.
+"""
+from __future__ import annotations
+
+import enum
+import typing
+from dataclasses import dataclass, fields, replace
+
+from bench.config import RunConfig
+from bench.layout import DIMS
+
+SCHEMA_VERSION = 1
+"""Bumped whenever a column changes meaning, name or type; every row carries it."""
+
+
+class Status(enum.StrEnum):
+    """How a run ended; the order is the report's (successes first)."""
+
+    OK = "ok"
+    FAILED = "failed"
+    OOM = "oom"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    SKIPPED = "skipped"
+
+
+PROBLEMS = (Status.FAILED, Status.OOM, Status.TIMEOUT, Status.CANCELLED)
+"""Statuses of a run that was launched and produced no measurement (--retry-failed reruns them)."""
+
+
+class Kind(enum.StrEnum):
+    IDENTITY = "identity"  # which run this row is
+    OUTCOME = "outcome"  # how it ended
+    CONFIG = "config"  # what was asked for (RunConfig) or what the backend made of it
+    EXACT = "measured-exact"  # deterministic for a config: any change is a change of behaviour
+    NOISY = "measured-noisy"  # varies from run to run (timing, allocator)
+    PREDICTED = "predicted"  # the analytic model's value for the config (bench/analysis)
+    ENVIRONMENT = "environment"  # where and with what it ran
+
+
+class Compare(enum.StrEnum):
+    EXACT = "exact"  # must be equal
+    LOWER = "noisy lower-better"  # regresses when higher by more than threshold and noise
+    HIGHER = "noisy higher-better"
+    IGNORED = "ignored"
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str
+    """str | int | float | bool (str for JSON lists)."""
+    meaning: str
+    kind: Kind
+    unit: str = ""
+    ranks: str = "-"
+    """How the ranks' values become one: max, mean, slowest (per step, then the statistic), rank0,
+    replicas (mean over the ranks that compute a loss), per-rank (JSON list), sweep (the sweep process)."""
+    compare: Compare = Compare.IGNORED
+    floor: float = 0.0
+    """Noisy columns: a change smaller than this (in `unit`) never counts (page-sized RSS steps; a bubble
+    of 0.4 % vs 0.9 % is no pipeline regression)."""
+    always: bool = True
+    """Every row has it (NaN/None when it does not apply); else only rows of the backend that makes it."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """Columns that differ only by a suffix or infix, e.g. comm_bytes_{dim} for dim in tp, pp, dp."""
+
+    template: str
+    """A name with `{placeholders}`, filled from `values`."""
+    values: dict
+    column: Column
+    """Its name is ignored; its meaning may use the placeholders too."""
+
+    def columns(self) -> list[Column]:
+        keys = list(self.values)
+        combos = [{}]
+        for key in keys:
+            combos = [{**c, key: v} for c in combos for v in self.values[key]]
+        return [replace(self.column, name=self.template.format(**c), meaning=self.column.meaning.format(**c))
+                for c in combos]
+
+    @property
+    def pattern(self) -> str:
+        """The family as one name: comm_bytes_{tp,pp,dp} (the README's spelling; long lists stay `{op}`)."""
+        return self.template.format(**{k: "{" + ",".join(v) + "}" if len(v) <= 5 else "{" + k + "}"
+                                       for k, v in self.values.items()})
+
+
+COMM_WHAT = {"bytes": ("bytes", "payload bytes per optimizer step (all-reduce input, all-gather output, "
+                                "reduce-scatter input, P2P sent)"),
+             "wire_bytes": ("bytes", "bytes per optimizer step as a ring moves them (all-reduce 2(n−1)/n, "
+                                     "all-gather and reduce-scatter (n−1)/n)"),
+             "ops": ("ops", "collective and P2P ops per optimizer step")}
+COMM_GROUPS = ("world", "other")
+"""Groups outside the layout's dimensions: the whole world (DeepSpeed's), or one that matches no dimension."""
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
+            "scatter", "send", "recv")
+
+
+COMM = "comm_{what}_{dim}"
+COMM_OP = "comm_{dim}_{op}_{what}"
+
+
+def comm_column(what: str, dim: str) -> str:
+    """comm_bytes_tp, comm_wire_bytes_dp, comm_ops_pp: one group's traffic per optimizer step."""
+    assert what in COMM_WHAT, what
+    return COMM.format(what=what, dim=dim)
+
+
+def comm_op_column(dim: str, op: str, what: str) -> str:
+    """comm_dp_all_reduce_bytes, comm_pp_send_ops: one kind of op in one group."""
+    assert what in ("bytes", "ops"), what
+    return COMM_OP.format(dim=dim, op=op, what=what)
+
+
+def comm_columns(what=tuple(COMM_WHAT), dims=DIMS) -> list[str]:
+    return [comm_column(w, d) for w in what for d in dims]
+
+
+# --- the declaration --------------------------------------------------------------------------------------
+
+
+def _config_type(hint) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return {bool: "bool", int: "int", float: "float"}.get(args[0], "str")
+
+
+def _config_columns() -> list[Column]:
+    hints = typing.get_type_hints(RunConfig)  # real types, not annotation strings
+    return [Column(f.name, _config_type(hints[f.name]), f.metadata["help"], Kind.CONFIG) for f in fields(RunConfig)]
+
+
+def _measured(name, type_, unit, meaning, ranks, compare=Compare.IGNORED, kind=None, **kw) -> Column:
+    kind = kind or (Kind.EXACT if compare == Compare.EXACT else Kind.NOISY)
+    return Column(name, type_, meaning, kind, unit, ranks, compare, **kw)
+
+
+_COMM = [Family(COMM.format(what=what, dim="{dim}"), {"dim": DIMS},
+                _measured("", "float", unit, meaning + " in the {dim} groups", "mean", Compare.EXACT))
+         for what, (unit, meaning) in COMM_WHAT.items()]
+_COMM_OUTSIDE = [Family(COMM.format(what=what, dim="{group}"), {"group": COMM_GROUPS},
+                        _measured("", "float", unit, meaning + " in the {group} group", "mean", Compare.EXACT,
+                                  always=False))
+                 for what, (unit, meaning) in COMM_WHAT.items()]
+_COMM_PER_OP = [Family(COMM_OP.format(dim="{group}", op="{op}", what=what),
+                       {"group": DIMS + COMM_GROUPS, "op": COMM_OPS},
+                       _measured("", "float", unit, f"{what} per optimizer step of one op ({', '.join(COMM_OPS)}) in "
+                                 f"one group (the breakdown of comm_{what}_*)", "mean", kind=Kind.EXACT, always=False))
+                for what, unit in (("bytes", "bytes"), ("ops", "ops"))]
+PRED_STATE = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")
+
+DECLARED: list[Column | Family] = [
+    Column("SCHEMA_VERSION", "int", "version of this schema", Kind.IDENTITY),
+    Column("run_id", "str", "hash of the run's canonical config: the key for resume and baselines", Kind.IDENTITY),
+    Column("config_id", "str", "like run_id but equal for every repeat of a config", Kind.IDENTITY),
+    Column("sweep", "str", "sweep name (the sweep file's `name`)", Kind.IDENTITY),
+    Column("status", "str", ", ".join(Status), Kind.OUTCOME),
+    Column("error", "str", "why the run produced no measurement: the failing rank's traceback tail, the timeout, "
+                           "the Slurm state, or (skipped) the reason it cannot run", Kind.OUTCOME),
+    Column("failed_rank", "int", "global rank that failed first, when known", Kind.OUTCOME),
+    Column("launcher", "str", "local, slurm or debug", Kind.ENVIRONMENT),
+    _measured("wall_s", "float", "s", "seconds from launching the run to its row, seen by the sweep "
+              "(includes process start-up or Slurm queueing)", "sweep"),
+    *_config_columns(),
+    Column("global_batch", "int", "sequences per optimizer step (micro_batch × micro_batches × dp)", Kind.CONFIG),
+    _measured("params", "float", "", "model parameters", "-", Compare.EXACT),
+    _measured("step_time_s", "float", "s", "median timed step (slowest rank per step; warm-up excluded; "
+              "device synchronised)", "slowest", Compare.LOWER),
+    _measured("step_time_p10_s", "float", "s", "10th percentile step time", "slowest"),
+    _measured("step_time_p90_s", "float", "s", "90th percentile step time", "slowest"),
+    _measured("tokens_per_s", "float", "tokens/s", "global tokens per step / median step time", "slowest",
+              Compare.HIGHER),
+    _measured("tflops_per_device", "float", "TFLOP/s", "model FLOPs (convention in models/config.py) per second "
+              "per device", "slowest"),
+    _measured("mfu", "float", "fraction", "tflops_per_device over peak_flops", "slowest"),
+    Column("peak_flops", "float", "the declared peak FLOP/s of one device (MFU's denominator)", Kind.ENVIRONMENT,
+           "FLOP/s", "rank0"),
+    _measured("peak_mem_bytes", "float", "bytes", "memory added at the peak of the timed steps (CUDA allocator; "
+              "on CPU the RSS high-water mark after a /proc/self/clear_refs reset)", "max", Compare.LOWER,
+              floor=2.0**20),  # the CPU probe reads whole pages of RSS
+    _measured("persistent_bytes", "float", "bytes", "local params + grads + optimizer state (shards, not full "
+              "tensors)", "max", Compare.EXACT),
+    _measured("params_bytes", "float", "bytes", "local parameter bytes", "max", Compare.EXACT),
+    _measured("grads_bytes", "float", "bytes", "local gradient bytes", "max", Compare.EXACT),
+    _measured("optimizer_bytes", "float", "bytes", "local optimizer-state bytes", "max", Compare.EXACT),
+    *_COMM,
+    _measured("loss_first", "float", "", "global mean loss of the first step", "replicas"),
+    _measured("loss_last", "float", "", "global mean loss of the last step", "replicas"),
+    Column("device_name", "str", "device the run used (cpu or the CUDA device name)", Kind.ENVIRONMENT,
+           ranks="rank0"),
+    Column("time", "str", "UTC time the row was made (ISO 8601)", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("git_sha", "str", "commit of the code that ran", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("hostname", "str", "host of rank 0 (or of the sweep process for rows without a measurement)",
+           Kind.ENVIRONMENT, ranks="rank0"),
+    Column("torch_version", "str", "torch version", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("deepspeed_version", "str", "deepspeed version", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("submitit_version", "str", "submitit version", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("slurm_job_id", "str", "Slurm job id (array jobs: ARRAYID_INDEX)", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("slurm_array_task_id", "str", "index within the Slurm job array", Kind.ENVIRONMENT, ranks="rank0"),
+    # ok rows only: per-rank lists and the loss curve
+    _measured("peak_mem_bytes_per_rank", "str", "bytes", "peak_mem_bytes of each rank (JSON list)", "per-rank",
+              always=False),
+    _measured("persistent_bytes_per_rank", "str", "bytes", "persistent_bytes of each rank (JSON list)", "per-rank",
+              kind=Kind.EXACT, always=False),
+    _measured("losses", "str", "", "global mean loss of every step, warm-up included (JSON list)", "replicas",
+              always=False),
+    Column("peak_flops_source", "str", "where peak_flops comes from (device table or CPU measurement)",
+           Kind.ENVIRONMENT, ranks="rank0", always=False),
+    *_COMM_OUTSIDE,
+    *_COMM_PER_OP,
+    # backend extras (Trainer.extras)
+    _measured("bubble_fraction", "float", "fraction", "native pipeline: idle / (busy + idle) over the timed steps",
+              "mean", Compare.LOWER, floor=0.02, always=False),
+    Column("stage_layers", "str", "native: layers of each pipeline stage, in pipeline order (JSON list)",
+           Kind.CONFIG, ranks="rank0", always=False),
+    Column("dp_buckets", "float", "native: gradient buckets of the data-parallel all-reduce", Kind.CONFIG,
+           ranks="mean", always=False),
+    Column("tp_impl", "str", "what implements tensor parallelism", Kind.CONFIG, ranks="rank0", always=False),
+    Column("pp_impl", "str", "what implements pipeline parallelism", Kind.CONFIG, ranks="rank0", always=False),
+    Column("dp_impl", "str", "what implements data parallelism", Kind.CONFIG, ranks="rank0", always=False),
+    Column("fsdp_replicate", "float", "fsdp: replicas of each shard (HSDP's outer dimension)", Kind.CONFIG,
+           ranks="mean", always=False),
+    Column("fsdp_shard", "float", "fsdp: ranks one shard group spans", Kind.CONFIG, ranks="mean", always=False),
+    Column("ds_config", "str", "deepspeed: the config DeepSpeed ran with (JSON)", Kind.CONFIG, ranks="rank0",
+           always=False),
+    Column("ds_optimizer", "str", "deepspeed: the optimizer class DeepSpeed chose", Kind.CONFIG, ranks="rank0",
+           always=False),
+    Column("ds_comms_logger", "str", "deepspeed: the comms logger's record of the last step (JSON), when enabled",
+           Kind.ENVIRONMENT, ranks="rank0", always=False),
+    # predictions (bench.analysis.estimate.predict_row), beside the measured columns they predict
+    *[Column(f"pred_{name}", "float", f"predicted {name} (max over ranks)", Kind.PREDICTED, "bytes",
+             compare=Compare.EXACT, always=False) for name in (*PRED_STATE, "total_bytes")],
+    Column("pred_bubble_fraction", "float", "predicted pipeline bubble", Kind.PREDICTED, "fraction",
+           compare=Compare.EXACT, always=False),
+    Column("pred_flops_per_step", "float", "predicted model FLOPs per optimizer step", Kind.PREDICTED, "FLOP",
+           compare=Compare.EXACT, always=False),
+    *[Family(f"pred_{f.template}", f.values, replace(f.column, kind=Kind.PREDICTED, ranks="-", always=False,
+                                                     meaning="predicted " + f.column.meaning))
+      for f in _COMM],
+    Column("pred_error", "str", "why the row has no prediction", Kind.PREDICTED, always=False),
+]
+
+
+def _expand(declared) -> dict[str, Column]:
+    out = {}
+    for item in declared:
+        for col in (item.columns() if isinstance(item, Family) else [item]):
+            assert col.name not in out, f"column {col.name} declared twice"
+            out[col.name] = col
+    return out
+
+
+COLUMNS: dict[str, Column] = _expand(DECLARED)
+"""Every declared column by name, in declaration order."""
+ALWAYS = tuple(name for name, c in COLUMNS.items() if c.always)
+"""The columns of every row: the store adds the missing ones as None."""
+EXACT = tuple(name for name, c in COLUMNS.items() if c.compare == Compare.EXACT)
+NOISY = {name: c for name, c in COLUMNS.items() if c.compare in (Compare.LOWER, Compare.HIGHER)}
+
+
+def unit(name: str) -> str:
+    col = COLUMNS.get(name)
+    return col.unit if col else ""
+
+
+def label(name: str) -> str:
+    """`step_time_s (s)`: a column with its unit, for axes and tables."""
+    u = unit(name)
+    return f"{name} ({u})" if u and u != "fraction" else name
+
+
+RUN_FIELDS = {f.name for f in fields(RunConfig)}
+
+
+def markdown_table() -> str:
+    """The README's table of every column that is not a RunConfig field (those are `bench run --help`)."""
+    lines = ["| column | unit | kind | over ranks | compare | meaning |", "|---|---|---|---|---|---|",
+             "| every `RunConfig` field, `global_batch` | | config | | ignored | `bench run --help` |"]
+    for item in DECLARED:
+        col = item.column if isinstance(item, Family) else item
+        name = item.pattern if isinstance(item, Family) else item.name
+        if col.kind == Kind.CONFIG and (name in RUN_FIELDS or name == "global_batch"):
+            continue
+        meaning = col.meaning.format(**{k: "/".join(v) for k, v in item.values.items()}) \
+            if isinstance(item, Family) else col.meaning
+        meaning = meaning.replace("|", "\\|")  # a pipe would end the cell
+        lines.append(f"| `{name}` | {col.unit} | {col.kind} | {col.ranks} | {col.compare} | {meaning} |")
+    return "\n".join(lines)

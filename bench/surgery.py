@@ -1,0 +1,143 @@
+"""Model surgery shared by every engine: cut the GPT into pipeline stages, recompute block activations,
+and materialise a module built on the meta device from `models.init_value`, one local part at a time.
+
+Every engine builds the plain GPT on meta (shapes, no memory), changes its structure there (tensor-parallel
+layers, a pipeline cut, DTensor sharding, ZeRO-3 partitions) and only then allocates. Each rank then
+fills exactly its own part of each parameter from that parameter's full initial value, so every layout
+starts from the single-process reference weights and no rank ever holds the whole model. Parameter
+names stay the full GPT's (`blocks.5.mlp.fc1.weight`) through every step: the name is the key of the
+initial value and of its tensor-parallel split.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from models import Block, GPTConfig, init_value
+
+# Megatron tensor parallel (bench.native.tensor): parameter name suffix → the dimension its shard is cut along.
+_TP_SPLITS = {"attn.qkv.weight": 0, "attn.qkv.bias": 0, "mlp.fc1.weight": 0, "mlp.fc1.bias": 0,
+              "attn.proj.weight": 1, "mlp.fc2.weight": 1, "embed.tok.weight": 0, "head.weight": 0}
+
+
+def split_dim(name: str) -> int | None:
+    """Dimension along which parameter `name` is sharded over tp; None when replicated."""
+    for suffix, dim in _TP_SPLITS.items():
+        if name == suffix or name.endswith("." + suffix):
+            return dim
+    return None
+
+
+# --- pipeline stages ---------------------------------------------------------------------------------
+class Stage(nn.Module):
+    """One contiguous slice of the GPT: layers `layer_ids`, plus the embedding on the first stage and
+    the final norm and head on the last. It holds the model's own modules (built on meta, tensor
+    parallel already applied or not), so parameter names are the full model's."""
+
+    def __init__(self, model: nn.Module, layer_ids: Iterable[int], first: bool, last: bool):
+        super().__init__()
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens (b, s) or hidden (b, s[/tp], h) → hidden, or logits (b, s, V[/tp]) on the last stage."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def cut_stages(model: nn.Module, parts: list[list[int]], stage_ids: Iterable[int]) -> list[Stage]:
+    """This rank's stages of a pipeline whose stage s holds layers parts[s] (s = 0 … len(parts) − 1)."""
+    last = len(parts) - 1
+    return [Stage(model, parts[s], s == 0, s == last) for s in stage_ids]
+
+
+# --- activation recomputation -------------------------------------------------------------------------
+def recompute_blocks(module: nn.Module) -> nn.Module:
+    """recompute=full: every block's activations are recomputed in backward instead of kept.
+
+    torch's composable `checkpoint` hooks the block in place, so parameter names, FSDP's and ZeRO-3's
+    hooks and tensor-parallel regions inside the block are unchanged. Apply before data parallelism
+    wraps the module (FSDP2 must see the checkpointed blocks)."""
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+    for block in [m for m in module.modules() if isinstance(m, Block)]:
+        checkpoint(block)
+    return module
+
+
+# --- materialisation ------------------------------------------------------------------------------------
+def meta_module(build: Callable[[], nn.Module]) -> nn.Module:
+    """Construct a module on the meta device: shapes only, no memory."""
+    with torch.device("meta"):
+        return build()
+
+
+def materialize(module: nn.Module, cfg: GPTConfig, seed: int, device, *, prefix: str = "",
+                tp_rank: int = 0, tp: int = 1) -> nn.Module:
+    """Allocate `module` (built on meta) on `device` and fill it from `init_value` (see `fill_from_init`).
+
+    `to_empty` unties shared weights (a tied head gets its own tensor): re-tie after, as `GPT.tie_weights`."""
+    module.to_empty(device=device)
+    fill_from_init(module, cfg, seed, prefix=prefix, tp_rank=tp_rank, tp=tp)
+    return module
+
+
+@torch.no_grad()
+def fill_from_init(module: nn.Module, cfg: GPTConfig, seed: int, *, prefix: str = "",
+                   tp_rank: int = 0, tp: int = 1) -> None:
+    """Write this rank's part of every parameter's initial value, whatever holds it:
+
+        ZeRO-3 parameter    its flat partition (`ds_tensor`) of the full value
+        DTensor             its local shard, cut by torch from the full value (no communication)
+        native tp layer     its slice along `split_dim(name)`: rank `tp_rank` of `tp`
+        plain tensor        the whole value
+
+    Names are the full GPT's: `prefix` + the name inside `module` (a pipeline piece holding block 3
+    as "3" passes prefix "blocks.")."""
+    from torch.distributed.tensor import DTensor
+    for local_name, p in module.named_parameters():
+        name = prefix + local_name
+        if hasattr(p, "ds_tensor"):
+            _fill_zero3_partition(p, init_value(name, p.ds_shape, cfg, seed))
+        elif isinstance(p, DTensor):
+            _fill_dtensor(p, init_value(name, p.shape, cfg, seed))  # p.shape: the global shape
+        else:
+            _fill_tp_slice(p, name, cfg, seed, tp_rank, tp)
+
+
+def _fill_tp_slice(p: torch.Tensor, name: str, cfg: GPTConfig, seed: int, rank: int, tp: int) -> None:
+    dim = split_dim(name) if tp > 1 else None
+    if dim is None:
+        p.copy_(init_value(name, p.shape, cfg, seed))
+        return
+    shape = list(p.shape)
+    shape[dim] *= tp  # the full parameter's shape
+    p.copy_(init_value(name, shape, cfg, seed).narrow(dim, rank * p.shape[dim], p.shape[dim]))
+
+
+def _fill_dtensor(p, full: torch.Tensor) -> None:
+    from torch.distributed.tensor import distribute_tensor
+    # src_data_rank=None: every rank cuts its own shard from its own copy of the full value.
+    local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
+    p.to_local().copy_(local)
+
+
+def _fill_zero3_partition(p: torch.Tensor, full: torch.Tensor) -> None:
+    """DeepSpeed ZeRO-3: this rank's flat slice [rank·n, (rank+1)·n) of `full`, zero-padded."""
+    import torch.distributed as dist
+    part = p.ds_tensor
+    n = part.numel()
+    start = dist.get_rank(group=p.ds_process_group) * n
+    flat = full.reshape(-1)[start:start + n]
+    part.zero_()
+    part[:flat.numel()].copy_(flat.to(part.dtype))
+    if p.numel():  # a parameter DeepSpeed keeps whole (persistence threshold) also holds the full value
+        p.data.copy_(full.to(p.dtype))
