@@ -85,3 +85,22 @@ def test_deepspeed_zero_syncs_once_per_step_whatever_the_micro_batches(pools, ze
     # constant per step, which must not grow with the micro-batches.
     counts = [host_syncs(pools, m, backend="deepspeed", dp=2, zero=zero) for m in (1, 4)]
     assert counts[0] == counts[1] <= 1, counts
+
+
+# --- CUDA only: the event timer and the allocator statistics ------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_timer_and_memory_probe():
+    from bench.metrics.memory import PeakMemory
+    from bench.metrics.timer import StepTimer
+    device = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(4096, 4096, device=device)
+    timer = StepTimer(device)
+    with PeakMemory(device) as mem:
+        for _ in range(3):
+            with timer:
+                b = a @ a  # a new 64 MiB product each step
+        torch.cuda.synchronize(device)
+    assert len(timer.times) == 3 and all(0 < t < 1 for t in timer.times)
+    assert mem.peak_bytes >= b.numel() * 4 and mem.reserved_peak_bytes >= mem.peak_bytes + a.numel() * 4
+    assert mem.alloc_retries == 0
