@@ -56,7 +56,7 @@ def cpu_model() -> str | None:
 def driver_version() -> str | None:
     """The NVIDIA kernel driver's version, from /proc or nvidia-smi; None without one."""
     try:
-        with open("/proc/driver/nvidia/version") as f:  # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15 ..."
+        with open("/proc/driver/nvidia/version") as f:  # "NVRM version: NVIDIA UNIX ... Module  550.54.15 ..."
             words = f.readline().split()
         return next((w for w in words if w[:1].isdigit() and "." in w), None)
     except OSError:

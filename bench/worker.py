@@ -88,7 +88,8 @@ def _measure(cfg: RunConfig, ctx: RunContext) -> dict:
             train(batch)
         return {"rank": ctx.groups.rank, "losses": losses, "times": timer.times, "peak_mem": mem.peak_bytes,
                 "peak_mem_reserved_bytes": mem.reserved_peak_bytes, "alloc_retries": mem.alloc_retries,
-                "host_syncs": syncs.total, "state": state, "comm": counter.totals(), "extras": trainer.extras(),
+                "host_syncs": syncs.total, "cuda_syncs": syncs.cuda_syncs,
+                "state": state, "comm": counter.totals(), "extras": trainer.extras(),
                 "peak_flops": peak_flops(ctx.device, cfg.dtype) if ctx.groups.rank == 0 else None,
                 "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
     finally:
@@ -133,6 +134,7 @@ def make_row(cfg: RunConfig, ranks: list[dict], device: torch.device) -> dict:
            "peak_mem_bytes_per_rank": json.dumps([r["peak_mem"] for r in ranks]),
            **_max_over_ranks(ranks, "peak_mem_reserved_bytes", "alloc_retries"),
            "host_syncs_per_step": max(r["host_syncs"] for r in ranks),
+           "cuda_syncs_per_step": _max_over_ranks(ranks, "cuda_syncs")["cuda_syncs"],
            "loss_first": losses[0], "loss_last": losses[-1], "losses": json.dumps(losses),
            "device_name": ranks[0]["device_name"], **environment()}
     row["mfu"] = row["tflops_per_device"] * 1e12 / peak

@@ -3,8 +3,9 @@
 On CUDA (one H200-class GPU: under 8 minutes): gpt2-1.5b in bf16-mixed, 2 micro-batches of 8 × 1024
 tokens per step, each backend at world 1, and again at dp = N when the machine has N > 1 GPUs. Per run
 it reports MFU, the allocated and reserved memory peaks, allocator retries and host synchronisations
-per step (which must stay ≤ 1: DeepSpeed's ZeRO reads its gradient norm once per step; anything per
-micro-batch is a bug in the timed window), plus the environment fingerprint of the first row.
+per step, counted by op and, on CUDA, by CUDA's sync-debug mode (each must stay ≤ 1: DeepSpeed's ZeRO
+reads its gradient norm once per step; anything per micro-batch is a bug in the timed window), plus
+the environment fingerprint of the first row.
 
     python benchmarks/gpu_check.py                                   # CUDA, gpt2-1.5b, bf16-mixed
     python benchmarks/gpu_check.py --device cpu --model small        # CI: the same code path on CPU, fp32
@@ -37,7 +38,8 @@ SHAPE = {  # device → batch shape, dtype and steps: the GPU's fills an H200; t
 COLUMNS = (("backend", "backend"), ("world_size", "world"), ("status", "status"), ("step_time_s", "step s"),
            ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("peak_mem_bytes", "alloc peak GiB"),
            ("peak_mem_reserved_bytes", "reserved peak GiB"), ("alloc_retries", "alloc retries"),
-           ("host_syncs_per_step", "host syncs/step"), ("loss_first", "loss first"), ("loss_last", "loss last"))
+           ("host_syncs_per_step", "host syncs/step"), ("cuda_syncs_per_step", "CUDA syncs/step"),
+           ("loss_first", "loss first"), ("loss_last", "loss last"))
 FINGERPRINT = ("device_name", "device_count", "driver_version", "cuda_version", "nccl_version", "cpu_model",
                "torch_version", "deepspeed_version", "submitit_version", "git_sha")
 
@@ -66,8 +68,9 @@ def problems(row: dict) -> list[str]:
     if row.get("status") != "ok":
         return [f"{row.get('status')}: {(row.get('error') or '').strip().splitlines()[-1:]}"]
     out = []
-    if (row.get("host_syncs_per_step") or 0) > 1:
-        out.append(f"{row['host_syncs_per_step']} host syncs per step (at most 1 expected)")
+    for key in ("host_syncs_per_step", "cuda_syncs_per_step"):
+        if (row.get(key) or 0) > 1:
+            out.append(f"{key} = {row[key]} (at most 1 expected)")
     mfu, datasheet = row.get("mfu") or 0, row.get("device") != "cpu"
     if mfu <= 0 or (datasheet and mfu > 1):  # a CPU's peak is measured at start-up, under whatever load
         out.append(f"MFU {mfu:.3f} outside (0, 1]")

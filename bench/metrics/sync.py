@@ -7,12 +7,17 @@ communication (`host_syncs`), and tests/test_timed_window.py asserts the backend
 micro-batch.
 
 The count is by op, not by device, so it means the same on CPU (where nothing waits) as on CUDA.
-One exception: torch's optimizers read their step counter with `.item()`, a tensor they keep on the
+On CUDA, `cuda_syncs` also counts what torch's CUDA sync-debug mode reports (it warns at each
+blocking copy, scalar read and stream synchronisation torch performs, whichever layer asked): a
+cross-check from below the dispatcher.
+
+One exception to the op count: torch's optimizers read their step counter with `.item()`, a tensor they keep on the
 host whatever the device (unless capturable or fused), so reads of host tensors inside a torch
 optimizer step are no synchronisation and are not counted.
 """
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import torch
@@ -44,6 +49,7 @@ class HostSyncCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.by_op: Counter[str] = Counter()
+        self.cuda_syncs: int | None = None  # None: CUDA is not in use in this process
         self._in_optimizer = 0
 
     @property
@@ -53,11 +59,22 @@ class HostSyncCounter(TorchDispatchMode):
     def __enter__(self):
         self._hooks = (register_optimizer_step_pre_hook(self._optimizer_enter),
                        register_optimizer_step_post_hook(self._optimizer_exit))
+        self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if self._cuda:
+            self._caught_warnings = warnings.catch_warnings(record=True)
+            self._caught = self._caught_warnings.__enter__()
+            warnings.simplefilter("always")  # every occurrence, not once per source line
+            self._debug_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
         return super().__enter__()
 
     def __exit__(self, *exc):
         for hook in self._hooks:
             hook.remove()
+        if self._cuda:
+            torch.cuda.set_sync_debug_mode(self._debug_mode)
+            self._caught_warnings.__exit__(*exc)
+            self.cuda_syncs = sum("synchronizing" in str(w.message) for w in self._caught)
         return super().__exit__(*exc)
 
     def _optimizer_enter(self, *args) -> None:

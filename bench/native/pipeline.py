@@ -6,8 +6,8 @@ the final norm, head and loss on stage p·v − 1.
 
 A schedule is this rank's list of actions ("F" | "B", chunk, micro-batch); one executor runs any
 of them. The bubble meter times compute (busy) against the rest of the pipeline phase (waiting
-for a neighbour: idle) on one extra step the worker meters, never on a timed one; the ideal bubble is (p − 1)/(m + p − 1), divided by v
-when interleaved.
+for a neighbour: idle) on one extra step the worker meters, never on a timed one; the ideal bubble
+is (p − 1)/(m + p − 1), divided by v when interleaved.
 """
 from __future__ import annotations
 
