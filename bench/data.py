@@ -1,4 +1,4 @@
-"""Synthetic, deterministic token batches.
+"""Synthetic, deterministic token batches (built by `Trainer.batch`, outside the timed window).
 
 The global batch of a step is a pure function of (seed, step, shape): the same whatever the layout.
 Data-parallel rank r takes the r-th contiguous slice; the slice is then cut into micro-batches.

@@ -1,7 +1,9 @@
 """One benchmark run on every rank: set up, train, measure, gather one result row on rank 0.
 
-Phases: warm-up steps → timed steps (step timer + peak-memory probe) → one extra step under the
-communication counter (it slows the step, so it is never timed; traffic per step is deterministic).
+Phases: warm-up steps → timed steps (step timer + peak-memory probe; the batch is built before the
+timer starts and the loss read after it stops) → the trainer's metered step, if it has a meter (the
+pipeline bubble) → one step under the communication and host-sync counters. The instrumented steps
+slow what they measure, so they are never timed; what they count per step is deterministic.
 """
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.backends.base import RunContext
 from bench.backends.registry import get_backend
 from bench.config import RunConfig
 from bench.distributed import ProcessGroups, init_from_env, resolve_device, shutdown
@@ -18,13 +19,17 @@ from bench.layout import Layout
 from bench.metrics.comm import CommCounter
 from bench.metrics.flops import peak_flops
 from bench.metrics.memory import PeakMemory, tensor_bytes
+from bench.metrics.sync import HostSyncCounter
 from bench.metrics.timer import StepTimer
 from bench.results import format_exception, measured_row as make_row  # noqa: F401 - the row is built there
+from bench.training import RunContext
 
 
 def run(cfg: RunConfig) -> dict | None:
     """Run `cfg` on this rank (torch.distributed env already set). Returns the row on rank 0."""
     device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # events, streams and allocator statistics default to it
     torch.manual_seed(cfg.seed)
     init_from_env(device, cfg.timeout_s)
     try:
@@ -50,20 +55,33 @@ def _inject_fault(cfg: RunConfig, rank: int) -> None:
 
 
 def _measure(cfg: RunConfig, ctx: RunContext) -> dict:
+    """This rank's measurements. Each step's batch is built before its timer starts, only `train` is
+    timed, and the loss is read (the step's one host sync) after the timer stops. Instruments that
+    would disturb a timed step run on extra, untimed steps: the trainer's own meter (e.g. the pipeline
+    bubble), then the communication and host-sync counters."""
     trainer = get_backend(cfg.backend).build(cfg, ctx)
-    if cfg.fault != "none":
-        trainer.train_step = _with_fault(trainer.train_step, cfg, ctx.groups.rank)
+    train = _with_fault(trainer.train, cfg, ctx.groups.rank) if cfg.fault != "none" else trainer.train
     try:
-        losses = [trainer.train_step(step) for step in range(cfg.warmup)]
+        losses = [_value(train(trainer.batch(step))) for step in range(cfg.warmup)]
         timer = StepTimer(ctx.device)
         with PeakMemory(ctx.device) as mem:
             for step in range(cfg.warmup, cfg.warmup + cfg.steps):
+                batch = trainer.batch(step)
                 with timer:
-                    losses.append(trainer.train_step(step))
+                    loss = train(batch)
+                losses.append(_value(loss))
         state = {k: tensor_bytes(v) for k, v in trainer.state_tensors().items()}
-        with CommCounter(dim_of=ctx.groups.dim_of) as counter:
-            trainer.train_step(cfg.warmup + cfg.steps)
+        extra = cfg.warmup + cfg.steps
+        meter = trainer.meter()
+        if meter is not None:
+            with meter:
+                train(trainer.batch(extra))
+        batch = trainer.batch(extra)
+        with CommCounter(dim_of=ctx.groups.dim_of) as counter, HostSyncCounter() as syncs:
+            train(batch)
         return {"rank": ctx.groups.rank, "losses": losses, "times": timer.times, "peak_mem": mem.peak_bytes,
+                "peak_mem_reserved_bytes": mem.reserved_peak_bytes, "alloc_retries": mem.alloc_retries,
+                "host_syncs": syncs.total, "cuda_syncs": syncs.cuda_syncs,
                 "state": state, "comm": counter.totals(), "extras": trainer.extras(),
                 "peak_flops": peak_flops(ctx.device, cfg.dtype) if ctx.groups.rank == 0 else None,
                 "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
@@ -71,8 +89,12 @@ def _measure(cfg: RunConfig, ctx: RunContext) -> dict:
         trainer.close()
 
 
-def _with_fault(step_fn, cfg: RunConfig, rank: int):
-    def step(i):
+def _value(loss: torch.Tensor | None) -> float | None:
+    return None if loss is None else float(loss)
+
+
+def _with_fault(train, cfg: RunConfig, rank: int):
+    def faulty(batch):
         _inject_fault(cfg, rank)
-        return step_fn(i)
-    return step
+        return train(batch)
+    return faulty

@@ -1,6 +1,6 @@
 """Probe overhead on the native engine: step time with the probes off, with the timed-step probes on
-(step timer, peak-memory probe, pipeline busy/idle meter), and under the communication counter
-(which the worker only ever runs on a separate, untimed step).
+(step timer, peak-memory probe), and with the instruments the worker only ever runs on separate,
+untimed steps (the pipeline busy/idle meter; the communication and host-sync counters).
 
 Variants alternate step by step, so load on the machine hits them alike; medians are reported.
 
@@ -9,6 +9,7 @@ Variants alternate step by step, so load on the machine hits them alike; medians
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -17,37 +18,38 @@ def _probe(cfg_dict: dict, rounds: int) -> dict | None:
     """Body of every rank (a RankPool call): step times of each variant, the slowest rank's on rank 0."""
     import torch
     import torch.distributed as dist
-    from bench.backends.base import RunContext
     from bench.config import RunConfig
     from bench.distributed import ProcessGroups, init_from_env, shutdown
     from bench.layout import Layout
     from bench.metrics.comm import CommCounter
     from bench.metrics.memory import PeakMemory
+    from bench.metrics.sync import HostSyncCounter
     from bench.metrics.timer import StepTimer
     from bench.native.engine import NativeTrainer
+    from bench.training import RunContext
     cfg = RunConfig.from_dict(cfg_dict)
     rank, world = init_from_env(torch.device("cpu"))
     groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
     trainer = NativeTrainer(RunContext(cfg, groups, torch.device("cpu")))
-    metered = cfg.warmup  # a step index the trainer meters; 0 is never metered when warmup > 0
-    for step in range(2):
-        trainer.train_step(0)
-    times = {"off": [], "probes": [], "counter": []}
+    batch = trainer.batch(0)  # built once: the worker builds each step's batch outside the timer too
+    for _ in range(2):
+        trainer.train(batch)
+    times = {"off": [], "probes": [], "meter": [], "counter": []}
+
+    def timed(name, *probes):
+        dist.barrier()
+        t0 = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            for probe in probes:
+                stack.enter_context(probe)
+            trainer.train(batch)
+        times[name].append(time.perf_counter() - t0)
+
     for _ in range(rounds):
-        dist.barrier()
-        t0 = time.perf_counter()
-        trainer.train_step(0)
-        times["off"].append(time.perf_counter() - t0)
-        dist.barrier()
-        timer = StepTimer(torch.device("cpu"))
-        with PeakMemory(torch.device("cpu")), timer:
-            trainer.train_step(metered)
-        times["probes"].append(timer.times[0])
-        dist.barrier()
-        t0 = time.perf_counter()
-        with CommCounter(dim_of=groups.dim_of):
-            trainer.train_step(0)
-        times["counter"].append(time.perf_counter() - t0)
+        timed("off")
+        timed("probes", PeakMemory(torch.device("cpu")), StepTimer(torch.device("cpu")))
+        timed("meter", trainer.meter())
+        timed("counter", CommCounter(dim_of=groups.dim_of), HostSyncCounter())
     slowest = [None] * world
     dist.all_gather_object(slowest, times)
     shutdown()
@@ -71,8 +73,9 @@ def main() -> None:
     base = statistics.median(times["off"])
     print(f"model {args.model} tp={args.tp} pp={args.pp} dp={args.dp} m={args.micro_batches}, "
           f"{args.rounds} rounds, median step (slowest rank):")
-    for name, label in (("off", "probes off"), ("probes", "timer + peak memory + bubble meter"),
-                        ("counter", "communication counter (untimed step only)")):
+    for name, label in (("off", "probes off"), ("probes", "step timer + peak memory (timed steps)"),
+                        ("meter", "pipeline bubble meter (its own untimed step)"),
+                        ("counter", "comm + host-sync counters (untimed step only)")):
         med = statistics.median(times[name])
         print(f"  {label:<44}{med * 1e3:>9.2f} ms  {100 * (med / base - 1):+6.1f} %")
 

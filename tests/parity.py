@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bench.backends.base import make_optimizer
 from bench.data import global_batch
 from bench.metrics.comm import CommCounter
 from bench.surgery import split_dim
+from bench.training import make_optimizer
 from models import build_model, loss_fn
 
 
@@ -63,19 +63,20 @@ def _layouts_on_rank(cfg_dicts: list[dict], steps: int) -> list[dict] | None:
 
 
 def _one_layout(cfg, steps: int) -> dict:
-    from bench.backends.base import RunContext
     from bench.distributed import ProcessGroups
     from bench.layout import Layout
     from bench.native.engine import NativeTrainer
+    from bench.training import RunContext
     groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
     trainer = NativeTrainer(RunContext(cfg, groups, torch.device("cpu")))
     losses, grads = [], None
     for step in range(steps):
-        losses.append(_global_loss(trainer.train_step(step)))
+        loss = trainer.train(trainer.batch(step))
+        losses.append(_global_loss(None if loss is None else loss.item()))
         if step == 0 and not cfg.zero:
             grads = full_gradients(trainer, groups)
     with CommCounter(dim_of=groups.dim_of) as counter:  # as the worker counts: one extra step
-        trainer.train_step(steps)
+        trainer.train(trainer.batch(steps))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, counter.totals())
     keys = {k for c in every for k in c}

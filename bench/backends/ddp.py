@@ -12,9 +12,8 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.backends.base import RunContext, Trainer, make_optimizer
-from bench.data import micro_batches
 from bench.surgery import recompute_blocks
+from bench.training import Batch, RunContext, Trainer, make_optimizer
 from models import build_model, loss_fn
 
 
@@ -29,22 +28,20 @@ class DDPTrainer(Trainer):
                                            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         self.optimizer = make_optimizer(self.model.parameters())
 
-    def train_step(self, step: int) -> float:
-        cfg, ctx = self.ctx.cfg, self.ctx
+    def train(self, batch: Batch) -> torch.Tensor:
+        ctx = self.ctx
         self.optimizer.zero_grad(set_to_none=True)
-        batches = micro_batches(cfg, step, ctx.groups.coord.dp)
-        total = 0.0
-        for i, (x, y) in enumerate(batches):
-            x, y = x.to(ctx.device), y.to(ctx.device)  # (micro_batch, seq)
-            last = i == len(batches) - 1
+        losses = []
+        for i, (x, y) in enumerate(batch):  # (micro_batch, seq)
+            last = i == len(batch) - 1
             with contextlib.nullcontext() if last else self.ddp.no_sync():  # all-reduce on the last only
                 with torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype,
                                     enabled=ctx.autocast_dtype is not None):
-                    loss = loss_fn(self.ddp(x), y) / cfg.micro_batches
+                    loss = loss_fn(self.ddp(x), y) / len(batch)
                 loss.backward()
-            total += loss.item()
+            losses.append(loss.detach())
         self.optimizer.step()
-        return total
+        return torch.stack(losses).sum()  # on the device: the worker reads it after the timed window
 
     def extras(self) -> dict:
         return {"dp_impl": "torch DDP"}

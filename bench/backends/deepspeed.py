@@ -28,12 +28,11 @@ import sys
 import torch
 import torch.nn as nn
 
-from bench.backends.base import RunContext, Trainer, make_optimizer
 from bench.backends.deepspeed_config import final_config
-from bench.data import micro_batches
 from bench.distributed import ProcessGroups, comm_backend
 from bench.metrics.memory import optimizer_tensors
 from bench.surgery import fill_from_init, materialize, meta_module, recompute_blocks
+from bench.training import Batch, RunContext, Trainer, make_optimizer
 from models import GPT, loss_fn
 
 # Our dims → DeepSpeed's topology axis names.
@@ -270,18 +269,16 @@ class ZeroTrainer(_DeepSpeedTrainer):
         fill_from_init(model, mcfg, cfg.seed)  # each rank writes its flat partitions only
         return model
 
-    def train_step(self, step: int) -> float:
-        cfg, ctx = self.ctx.cfg, self.ctx
+    def train(self, batch: Batch) -> torch.Tensor:
         self._begin_step()
-        total = 0.0
-        for x, y in micro_batches(cfg, step, ctx.groups.coord.dp):
-            x, y = x.to(self.engine.device), y.to(self.engine.device)
+        losses = []
+        for x, y in batch:
             loss = self.loss(self.engine(x), y)
             self.engine.backward(loss)  # DeepSpeed scales by 1 / gradient_accumulation_steps
             self.engine.step()  # steps the optimizer at the accumulation boundary only
-            total += loss.item() / cfg.micro_batches
+            losses.append(loss.detach())
         self._end_step()
-        return total
+        return torch.stack(losses).mean()  # on the device: the worker reads it after the timed window
 
 
 # --- pipeline ---------------------------------------------------------------------------------------
@@ -343,9 +340,8 @@ class PipelineTrainer(_DeepSpeedTrainer):
                              partition_method="uniform")
         self._initialize(net)
 
-    def train_step(self, step: int) -> float | None:
+    def train(self, batch: Batch) -> torch.Tensor | None:
         self._begin_step()
-        data = iter(micro_batches(self.ctx.cfg, step, self.ctx.groups.coord.dp))
-        loss = self.engine.train_batch(data_iter=data)  # mean over micro-batches and dp
+        loss = self.engine.train_batch(data_iter=iter(batch))  # mean over micro-batches and dp
         self._end_step()
-        return float(loss) if self.engine.is_last_stage() else None
+        return loss.detach() if self.engine.is_last_stage() else None

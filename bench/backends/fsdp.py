@@ -33,12 +33,11 @@ import os
 import torch
 import torch.nn as nn
 
-from bench.backends.base import RunContext, Trainer, make_optimizer
-from bench.data import micro_batches
 from bench.layout import Layout
 from bench.metrics.memory import optimizer_tensors
 from bench.schedule import partition, rank_chunks
 from bench.surgery import cut_stages, materialize, meta_module, recompute_blocks
+from bench.training import Batch, RunContext, Trainer, make_optimizer
 from models import GPT, loss_fn
 
 RESHARD = {"full": True, "grad-op": False, "hybrid": True}
@@ -182,26 +181,25 @@ class FSDPTrainer(Trainer):
         return kind(stages[0], n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
 
     # --- training ----------------------------------------------------------------------------
-    def train_step(self, step: int) -> float | None:
+    def train(self, batch: Batch) -> torch.Tensor | None:
         self.optimizer.zero_grad(set_to_none=True)
-        batches = micro_batches(self.ctx.cfg, step, self.ctx.groups.coord.dp)
-        loss = self._pipeline_step(batches) if self.schedule else self._local_step(batches)
+        loss = self._pipeline_step(batch) if self.schedule else self._local_step(batch)
         self.optimizer.step()
         return loss
 
-    def _local_step(self, batches) -> float:
-        cfg, device, total = self.ctx.cfg, self.ctx.device, 0.0
-        for i, (x, y) in enumerate(batches):
-            if cfg.micro_batches > 1:  # reduce gradients once, after the last micro-batch
-                self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            loss = loss_fn(self.model(x.to(device)), y.to(device)) / cfg.micro_batches
+    def _local_step(self, batch: Batch) -> torch.Tensor:
+        losses = []
+        for i, (x, y) in enumerate(batch):
+            if len(batch) > 1:  # reduce gradients once, after the last micro-batch
+                self.model.set_requires_gradient_sync(i == len(batch) - 1)
+            loss = loss_fn(self.model(x), y) / len(batch)
             loss.backward()
-            total += loss.item()
-        return total
+            losses.append(loss.detach())
+        return torch.stack(losses).sum()  # on the device: the worker reads it after the timed window
 
-    def _pipeline_step(self, batches) -> float | None:
-        x = torch.cat([b[0] for b in batches]).to(self.ctx.device)  # (micro_batches · micro_batch, seq)
-        y = torch.cat([b[1] for b in batches]).to(self.ctx.device)
+    def _pipeline_step(self, batch: Batch) -> torch.Tensor | None:
+        x = torch.cat([b[0] for b in batch])  # (micro_batches · micro_batch, seq)
+        y = torch.cat([b[1] for b in batch])
         pp_rank, pp = self.ctx.groups.coord.pp, self.ctx.cfg.pp
         losses: list[torch.Tensor] = []
         if pp_rank == 0:
@@ -210,7 +208,7 @@ class FSDPTrainer(Trainer):
             self.schedule.step(target=y, losses=losses)
         else:
             self.schedule.step()
-        return float(torch.stack([l.detach().float() for l in losses]).mean()) if losses else None
+        return torch.stack([l.detach().float() for l in losses]).mean() if losses else None
 
     # --- measurement -------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:

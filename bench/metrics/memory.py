@@ -1,6 +1,9 @@
 """Memory probes: the step peak per rank and the persistent model-state bytes.
 
-CUDA: `max_memory_allocated` after a reset, minus what was allocated before the steps.
+CUDA: `max_memory_allocated` after a reset, minus what was allocated before the steps; beside it
+the caching allocator's reserved peak (absolute: what the process held from the device, the figure
+to compare with its memory) and how often an allocation had to free cached blocks and retry
+(`num_alloc_retries`: non-zero means fragmentation near the limit, and slow steps).
 CPU: there is no allocator statistic, so the kernel's RSS high-water mark (VmHWM) is reset through
 /proc/self/clear_refs before the timed steps and read after them; the peak is VmHWM minus the RSS
 before. It is repeatable only with glibc's heap returned to the OS (MALLOC_MMAP_THRESHOLD_ and
@@ -22,16 +25,19 @@ def _status_bytes(key: str) -> int:
 
 
 class PeakMemory:
-    """Context manager: `.peak_bytes` is the memory added at the peak of the enclosed steps."""
+    """Context manager: `.peak_bytes` is the memory added at the peak of the enclosed steps; on CUDA
+    also `.reserved_peak_bytes` and `.alloc_retries` (None on CPU, which has no such allocator)."""
 
     def __init__(self, device: torch.device):
         self.device, self.peak_bytes = device, 0
+        self.reserved_peak_bytes = self.alloc_retries = None
 
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
+            self._retries = _alloc_retries(self.device)
         else:
             self._base = _status_bytes("VmRSS:")
             with open("/proc/self/clear_refs", "w") as f:
@@ -42,9 +48,15 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.reserved_peak_bytes = torch.cuda.max_memory_reserved(self.device)
+            self.alloc_retries = _alloc_retries(self.device) - self._retries
         else:
             self.peak_bytes = max(_status_bytes("VmHWM:") - self._base, 0)
         return False
+
+
+def _alloc_retries(device: torch.device) -> int:
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def tensor_bytes(tensors) -> int:

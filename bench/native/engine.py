@@ -11,13 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from bench.backends.base import RunContext, Trainer, make_optimizer
-from bench.data import micro_batches
 from bench.native.data import DataParallel
 from bench.native.pipeline import Pipeline, stage_layers_json
 from bench.native.tensor import apply_tensor_parallel
 from bench.schedule import partition, rank_chunks
 from bench.surgery import Stage, cut_stages, materialize, recompute_blocks
+from bench.training import Batch, RunContext, Trainer, make_optimizer
 from models import GPT
 
 
@@ -59,15 +58,16 @@ class NativeTrainer(Trainer):
         params = self.par.data.shard_params() if cfg.zero else self.model.parameters()
         self.optimizer = make_optimizer(params)
 
-    def train_step(self, step: int) -> float | None:
-        cfg, groups = self.ctx.cfg, self.ctx.groups
-        metered = cfg.warmup <= step < cfg.warmup + cfg.steps  # the timed steps
+    def train(self, batch: Batch) -> torch.Tensor | None:
         self.par.data.zero_grad()
-        losses = self.par.pipeline.run(micro_batches(cfg, step, groups.coord.dp), metered)
+        losses = self.par.pipeline.run(batch)
         self.par.data.finish()
         self.optimizer.step()
         self.par.data.after_step()
-        return sum(losses) if losses else None
+        return torch.stack(losses).sum() if losses else None  # on the device: summed, never read here
+
+    def meter(self):
+        return self.par.pipeline.meter.metering()  # busy/idle around every compute section
 
     def extras(self) -> dict:
         return {"bubble_fraction": self.par.pipeline.meter.fraction,

@@ -6,8 +6,8 @@ the embedding lives on stage 0, the final norm, head and loss on stage p·v − 
 
 A schedule is this rank's list of actions ("F" | "B", chunk, micro-batch); one executor runs any
 of them. The bubble meter times compute (busy) against the rest of the pipeline phase (waiting
-for a neighbour: idle) on the timed steps; the ideal bubble is (p − 1)/(m + p − 1), divided by v
-when interleaved.
+for a neighbour: idle) on one extra step the worker meters, never on a timed one; the ideal bubble
+is (p − 1)/(m + p − 1), divided by v when interleaved.
 """
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ def _grad_group(groups, device):
 class BubbleMeter:
     """Busy (compute) and idle (everything else in the pipeline phase) seconds over metered steps.
 
-    On CUDA the device is synchronized around each compute section while metering, so busy time is
-    kernel time, not launch time."""
+    Off unless inside `metering()`: the worker meters one extra step of its own, never a timed one,
+    because on CUDA the device is synchronised around each compute section (so busy time is kernel
+    time, not launch time), which would also stall the timed stream."""
 
     def __init__(self, device=None):
         self.busy_s = self.idle_s = 0.0
@@ -47,22 +48,35 @@ class BubbleMeter:
         self._cuda = device is not None and torch.device(device).type == "cuda"
 
     def _sync(self):
-        if self.on and self._cuda:
+        if self._cuda:
             torch.cuda.synchronize()
 
     @contextmanager
-    def step(self, on: bool):
-        self.on, self._step_busy = on, 0.0
+    def metering(self):
+        self.on = True
+        try:
+            yield self
+        finally:
+            self.on = False
+
+    @contextmanager
+    def step(self):
+        if not self.on:
+            yield
+            return
+        self._step_busy = 0.0
         self._sync()
         t0 = time.perf_counter()
         yield
         self._sync()
-        if on:
-            self.busy_s += self._step_busy
-            self.idle_s += time.perf_counter() - t0 - self._step_busy
+        self.busy_s += self._step_busy
+        self.idle_s += time.perf_counter() - t0 - self._step_busy
 
     @contextmanager
     def compute(self):
+        if not self.on:
+            yield
+            return
         self._sync()
         t0 = time.perf_counter()
         yield
@@ -103,9 +117,11 @@ class Pipeline:
     def _prev_chunk(self, chunk: int) -> int:  # the receiver's chunk index for a backward send
         return chunk if self.r > 0 else chunk - 1
 
-    def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]], metered: bool) -> list[float]:
+    def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """One step over `batches` (on the device); the last stage's micro-batch losses, each already
+        divided by the micro-batch count, as device tensors (never read here: no host sync)."""
         saved, losses = {}, []
-        with self.meter.step(metered):
+        with self.meter.step():
             for kind, chunk, mb in self.order:
                 if kind == "F":
                     saved[chunk, mb] = self._forward(chunk, mb, batches, losses)
@@ -114,22 +130,22 @@ class Pipeline:
             self.comm.wait_sends()
         return losses
 
-    def _forward(self, chunk: int, mb: int, batches, losses: list[float]):
+    def _forward(self, chunk: int, mb: int, batches, losses: list[torch.Tensor]):
         sid = self._sid(chunk)
         if sid == 0:
-            x = batches[mb][0].to(self.device)
+            x = batches[mb][0]
         else:
             x = self.comm.recv_forward(self.act_shape, self.act_dtype, self.device, chunk).requires_grad_()
         with self.meter.compute(), torch.autocast(self.device.type, dtype=self.autocast_dtype,
                                                   enabled=self.autocast_dtype is not None):
             out = self.chunks[chunk](x)
             if sid == self.last_sid:
-                out = vocab_parallel_cross_entropy(out, batches[mb][1].to(self.device), self.tp_group)
+                out = vocab_parallel_cross_entropy(out, batches[mb][1], self.tp_group)
                 out = out / self.cfg.micro_batches
             else:
                 out = out.to(self.act_dtype)  # (b, s[/tp], h): what travels to the next stage
         if sid == self.last_sid:
-            losses.append(out.item())
+            losses.append(out.detach())
         else:
             self.comm.send_forward(out, self._next_chunk(chunk))
         return x, out

@@ -84,6 +84,10 @@ def measured_row(cfg: RunConfig, ranks: list[dict], device) -> dict:
            "loss_first": losses[0], "loss_last": losses[-1], "losses": json.dumps(losses),
            "device_name": ranks[0]["device_name"]}
     row["mfu"] = row["tflops_per_device"] * 1e12 / peak
+    for name, key in (("peak_mem_reserved_bytes", "peak_mem_reserved_bytes"), ("alloc_retries", "alloc_retries"),
+                      ("host_syncs_per_step", "host_syncs"), ("cuda_syncs_per_step", "cuda_syncs")):
+        values = [r[key] for r in ranks if r.get(key) is not None]  # None on CPU for the CUDA-only probes
+        row[name] = over_ranks(name, values) if values else None
     for kind in ("params", "grads", "optimizer"):
         row[f"{kind}_bytes"] = over_ranks(f"{kind}_bytes", [r["state"][kind] for r in ranks])
     persistent = [sum(r["state"].values()) for r in ranks]

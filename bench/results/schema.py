@@ -174,7 +174,7 @@ DECLARED: list[Column | Family] = [
     Column("global_batch", "int", "sequences per optimizer step (micro_batch × micro_batches × dp)", Kind.CONFIG),
     _measured("params", "float", "", "model parameters", "-", Compare.EXACT),
     _measured("step_time_s", "float", "s", "median timed step (slowest rank per step; warm-up excluded; "
-              "device synchronised)", "slowest", Compare.LOWER),
+              "CUDA events on GPU, wall clock on CPU)", "slowest", Compare.LOWER),
     _measured("step_time_p10_s", "float", "s", "10th percentile step time", "slowest"),
     _measured("step_time_p90_s", "float", "s", "90th percentile step time", "slowest"),
     _measured("tokens_per_s", "float", "tokens/s", "global tokens per step / median step time", "slowest",
@@ -187,6 +187,14 @@ DECLARED: list[Column | Family] = [
     _measured("peak_mem_bytes", "float", "bytes", "memory added at the peak of the timed steps (CUDA allocator; "
               "on CPU the RSS high-water mark after a /proc/self/clear_refs reset)", "max", Compare.LOWER,
               floor=2.0**20),  # the CPU probe reads whole pages of RSS
+    _measured("peak_mem_reserved_bytes", "float", "bytes", "CUDA: the caching allocator's reserved-memory peak "
+              "during the timed steps (absolute, not added); None on CPU", "max"),
+    _measured("alloc_retries", "float", "", "CUDA: allocator retries (cudaMalloc failed, cache flushed) during the "
+              "timed steps; None on CPU", "max"),
+    _measured("host_syncs_per_step", "float", "", "operations that made the host wait for the device (.item(), "
+              "device→host copies, …) in one train step, counted on an extra untimed step", "max", Compare.EXACT),
+    _measured("cuda_syncs_per_step", "float", "", "CUDA: torch's own synchronisation warnings in that step (a "
+              "second opinion); None on CPU", "max"),
     _measured("persistent_bytes", "float", "bytes", "local params + grads + optimizer state (shards, not full "
               "tensors)", "max", Compare.EXACT),
     _measured("params_bytes", "float", "bytes", "local parameter bytes", "max", Compare.EXACT),
@@ -204,6 +212,13 @@ DECLARED: list[Column | Family] = [
     Column("torch_version", "str", "torch version", Kind.ENVIRONMENT, ranks="rank0"),
     Column("deepspeed_version", "str", "deepspeed version", Kind.ENVIRONMENT, ranks="rank0"),
     Column("submitit_version", "str", "submitit version", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("cpu_model", "str", "CPU model of rank 0's host", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("device_count", "int", "devices visible to rank 0 (CUDA devices; 0 on CPU)", Kind.ENVIRONMENT,
+           ranks="rank0"),
+    Column("cuda_version", "str", "CUDA version torch was built with (None on CPU)", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("nccl_version", "str", "NCCL version (None on CPU)", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("driver_version", "str", "NVIDIA driver version (None on CPU)", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("python_version", "str", "Python version", Kind.ENVIRONMENT, ranks="rank0"),
     Column("slurm_job_id", "str", "Slurm job id (array jobs: ARRAYID_INDEX)", Kind.ENVIRONMENT, ranks="rank0"),
     Column("slurm_array_task_id", "str", "index within the Slurm job array", Kind.ENVIRONMENT, ranks="rank0"),
     # ok rows only: per-rank lists and the loss curve
@@ -218,7 +233,7 @@ DECLARED: list[Column | Family] = [
     *_COMM_OUTSIDE,
     *_COMM_PER_OP,
     # backend extras (Trainer.extras)
-    _measured("bubble_fraction", "float", "fraction", "native pipeline: idle / (busy + idle) over the timed steps",
+    _measured("bubble_fraction", "float", "fraction", "native pipeline: idle / (busy + idle) on one extra metered step",
               "mean", Compare.LOWER, floor=0.02, always=False),
     Column("stage_layers", "str", "native: layers of each pipeline stage, in pipeline order (JSON list)",
            Kind.CONFIG, ranks="rank0", always=False),

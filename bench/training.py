@@ -1,0 +1,80 @@
+"""The backend contract: what every engine builds (a Trainer over the shared model, with the same
+optimizer and data) and what the worker calls on it.
+
+It lives outside `bench/backends/` so that the native engine, a library, does not import the plugin
+layer; the backends (and the native engine's `build`) implement it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from bench.config import RunConfig
+from bench.data import micro_batches
+from bench.distributed import ProcessGroups
+from bench.metrics.memory import optimizer_tensors
+
+# One optimizer for every backend, so losses are comparable (torch AdamW; DeepSpeed takes it as client).
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+Batch = list[tuple[torch.Tensor, torch.Tensor]]
+"""One step's inputs on this rank: micro_batches × (inputs, targets), each (micro_batch, seq) int64."""
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, **ADAMW)
+
+
+@dataclass
+class RunContext:
+    cfg: RunConfig
+    groups: ProcessGroups
+    device: torch.device
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(self.cfg.dtype)
+
+
+class Trainer(ABC):
+    """One backend's training loop on this rank. The worker owns the measurement around it:
+
+    - `batch(step)` returns this rank's share of the global batch of `step`, already on the device.
+      It is never timed, so generating the synthetic tokens costs no step time.
+    - `train(batch)` runs one optimizer step and returns the mean loss this rank computed over its
+      data-parallel shard as a 0-dim device tensor, or None if it computed none (a non-last
+      pipeline stage). It must not synchronise the host with the device per micro-batch (no
+      `.item()`): the worker reads the loss once per step, after the timed window.
+    Gradients are zeroed at the start of a step, so after it they are still there to be counted.
+    """
+
+    ctx: RunContext
+
+    def batch(self, step: int) -> Batch:
+        cfg, device = self.ctx.cfg, self.ctx.device
+        return [(x.to(device), y.to(device)) for x, y in micro_batches(cfg, step, self.ctx.groups.coord.dp)]
+
+    @abstractmethod
+    def train(self, batch: Batch) -> torch.Tensor | None: ...
+
+    def meter(self) -> AbstractContextManager | None:
+        """Instruments that would slow a timed step (the pipeline's busy/idle meter synchronises the
+        device around every compute section): the worker runs one extra, untimed `train` inside this
+        context, and `extras()` reports what it measured. None: nothing to meter, no extra step."""
+        return None
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Local tensors of the model state: params, grads and optimizer state (shards, not full)."""
+        params = list(self.model.parameters())
+        return {"params": params, "grads": [p.grad for p in params],
+                "optimizer": optimizer_tensors(self.optimizer)}
+
+    def extras(self) -> dict:
+        """Backend-specific row columns (numbers are averaged over ranks, the rest taken from rank 0)."""
+        return {}
+
+    def close(self) -> None:
+        pass
