@@ -97,7 +97,7 @@ NO_TORCH = textwrap.dedent("""
 
 def _pure_modules() -> list[str]:
     analysis = sorted(n for n in modules() if n.startswith("bench.analysis.") and n != "bench.analysis.commands")
-    return ["models", "models.config", "bench.layout", "bench.config", "bench.capabilities", *analysis,
+    return ["models", "models.config", "bench.layout", "bench.schedule", "bench.config", "bench.capabilities", *analysis,
             "bench.analysis.commands", "bench.cli"]
 
 
