@@ -42,7 +42,8 @@ from typing import Annotated, Any, Optional
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, WrapValidator,
                       create_model, field_validator, model_validator)
 
-from bench.config import BACKENDS, ConfigError, RunConfig, field_types, model_config
+from bench.config import BACKENDS, ConfigError, RunConfig, field_types
+from bench.config import model_config as resolve_model  # `model_config` is pydantic's name for a model's settings
 from bench.results import skipped_row
 from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
 from models.config import PRESETS, GPTConfig
@@ -192,7 +193,7 @@ class _ModelBase(BaseModel):
             raise mistake(f"unknown preset {self.preset!r}{suggest(self.preset, PRESETS)} "
                           f"(known: {', '.join(PRESETS)})", "preset")
         try:
-            model_config(self.preset, _overrides(self, self.model_fields_set))
+            resolve_model(self.preset, _overrides(self, self.model_fields_set))
         except ConfigError as e:  # the model's own invariants, e.g. hidden divisible by heads
             raise mistake(str(e)) from None
         return self
