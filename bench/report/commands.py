@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import sys
 
+import math
+
 import click
+
+from bench.cli_options import positive_int
 
 COMMANDS: list[click.Command] = []
 
@@ -17,7 +21,7 @@ def _command(func):
 @_command
 @click.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path())
-@click.option("-o", "--out", "out", type=click.Path(), default="report", show_default=True,
+@click.option("-o", "--out", "out", type=click.Path(file_okay=False), default="report", show_default=True,
               help="folder for index.html, report.md and figures/")
 def report(results, out):
     """Write an HTML + Markdown report of sweep RESULTS (output folders or results.parquet files)."""
@@ -40,9 +44,13 @@ def _parse_thresholds(items) -> dict[str, float]:
 def _fraction(value: str, hint: str) -> float:
     text = str(value).strip()
     try:
-        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        fraction = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a fraction (0.05) or a percentage (5%)", param_hint=hint) from None
+    if not math.isfinite(fraction) or fraction < 0:
+        raise click.BadParameter(f"{value!r} must be a finite fraction ≥ 0 (0.05) or percentage (5%)",
+                                 param_hint=hint)
+    return fraction
 
 
 @_command
@@ -106,7 +114,8 @@ def history():
 
 @history.command("add")
 @click.argument("results", nargs=-1, required=True, type=click.Path())
-@click.option("--history", "path", type=click.Path(), default="results/history.parquet", show_default=True)
+@click.option("--history", "path", type=click.Path(dir_okay=False), default="results/history.parquet",
+              show_default=True)
 def history_add(results, path):
     """Append RESULTS' rows (with the git sha and time) to the history."""
     from bench.report import history as h
@@ -120,10 +129,11 @@ def history_add(results, path):
 @click.option("--metric", default="tokens_per_s", show_default=True, help="column to plot over time")
 @click.option("--where", "where", multiple=True, metavar="COLUMN=VALUE", help="filter rows, e.g. backend=native")
 @click.option("--threshold", default="10%", show_default=True, help="relative level shift that flags a step change")
-@click.option("--window", default=3, show_default=True, help="points on each side of a step change")
-@click.option("-o", "--out", "out", type=click.Path(), default=None,
+@click.option("--window", type=positive_int(1000), default=3, show_default=True, help="points on each side of a step change")
+@click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None,
               help="figure path (default: results/history-<config>-<metric>.png)")
-@click.option("--history", "path", type=click.Path(), default="results/history.parquet", show_default=True)
+@click.option("--history", "path", type=click.Path(dir_okay=False), default="results/history.parquet",
+              show_default=True)
 def history_show(config, metric, where, threshold, window, out, path):
     """Plot METRIC of one config over time and flag step changes; without --config, list the configs."""
     from pathlib import Path

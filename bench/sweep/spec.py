@@ -42,7 +42,7 @@ from typing import Annotated, Any, Optional
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, WrapValidator,
                       create_model, field_validator, model_validator)
 
-from bench.config import BACKENDS, ConfigError, RunConfig, field_types
+from bench.config import BACKENDS, ConfigError, RunConfig, fault_reason, field_reason, field_types
 from bench.config import model_config as resolve_model  # `model_config` is pydantic's name for a model's settings
 from bench.results import skipped_row
 from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
@@ -100,7 +100,17 @@ class Expansion:
 
 # --- the file's schema: pydantic models built from RunConfig and GPTConfig (bench/typed_yaml.py: why) -------
 
-STRICT = ConfigDict(strict=True, extra="forbid", frozen=True)
+STRICT = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _in_bounds(name: str) -> AfterValidator:
+    """RunConfig's own rules for the field (bench.config.field_reason: range, finite), worded at the key path."""
+    def check(value):
+        reason = field_reason(name, value) or (fault_reason(value) if name == "fault" else None)
+        if reason:
+            raise mistake(reason)
+        return value
+    return AfterValidator(check)
 
 
 def _choice(name: str, choices: tuple) -> AfterValidator:
@@ -141,7 +151,7 @@ def _value_type(name: str):
     choices = RUN_FIELDS[name].metadata["choices"]
     if kind_ is tuple:
         return Annotated[Any, BeforeValidator(_key_values)]
-    value = Annotated[kind_, _choice(name, choices)] if choices else kind_
+    value = Annotated[kind_, _choice(name, choices)] if choices else Annotated[kind_, _in_bounds(name)]
     if kind_ is float:
         value = Annotated[value, WrapValidator(_as_written)]
     if name == "dp":
@@ -373,9 +383,7 @@ def _unknown_key(loc: tuple) -> str:
 
 def load_sweep(path: str | Path) -> SweepSpec:
     path = Path(path)
-    if not path.is_file():
-        raise SweepError(str(path), "", "no such sweep file")
-    return parse_sweep(load_yaml(path), str(path), default_name=path.stem)
+    return parse_sweep(load_yaml(path, "sweep file"), str(path), default_name=path.stem)
 
 
 def parse_sweep(data: Any, source: str = "<sweep>", default_name: str = "sweep") -> SweepSpec:
