@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -42,7 +43,7 @@ from typing import Annotated, Any, Optional
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, WrapValidator,
                       create_model, field_validator, model_validator)
 
-from bench.config import BACKENDS, ConfigError, RunConfig, fault_reason, field_reason, field_types
+from bench.config import BACKENDS, ConfigError, RunConfig, check_number, fault_reason, field_reason, field_types
 from bench.config import model_config as resolve_model  # `model_config` is pydantic's name for a model's settings
 from bench.results import skipped_row
 from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
@@ -332,8 +333,9 @@ class SweepFile(BaseModel):
     @field_validator("repeats", mode="before")
     @classmethod
     def _repeats(cls, value):
-        if type(value) is not int or value < 1:
-            raise mistake(f"must be a positive integer, got {value!r}")
+        reason = check_number("repeats", value, True, (1, MAX_REPEATS, False))
+        if reason:
+            raise mistake(reason)
         return value
 
     @field_validator("launcher", mode="before")
@@ -358,12 +360,20 @@ class SweepFile(BaseModel):
         for name in self.base.model_fields_set:
             if name in seen:
                 raise mistake(f"{name} is also an axis in {seen[name]}; remove one of them", "base", name)
+        combinations = (math.prod(len(getattr(self.grid, n)) for n in self.grid.model_fields_set)
+                        * math.prod(len(getattr(g, next(iter(g.model_fields_set)))) for g in self.zip)
+                        * self.repeats * len(self.world_size or [1]))
+        if combinations > MAX_RUNS:
+            raise mistake(f"{combinations:,} combinations (axes × repeats): more than {MAX_RUNS:,}, the most a "
+                          "sweep expands; split it", "grid")
         auto_in = "grid" if self.grid.dp == ["auto"] else "base" if self.base.dp == "auto" else None
         if auto_in and self.world_size is None and "world_size" not in self.grid.model_fields_set:
             raise mistake("dp: auto needs a world size: add a top-level `world_size: N`", auto_in, "dp")
         return self
 
 
+MAX_RUNS = 100_000
+MAX_REPEATS = 1_000
 MISSING_GRID = "missing: a sweep needs a grid with at least one axis, e.g. grid: {tp: [1, 2]}"
 
 
