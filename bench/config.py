@@ -251,7 +251,8 @@ def _coerce(key: str, value):
     try:
         return kind(value)
     except ValueError:
-        raise ConfigError(f"model_overrides {key}={value}: {key} must be {kind.__name__}") from None
+        raise ConfigError(f"model_overrides {key}={value}: {key} must be "
+                          f"{'an integer' if kind is int else 'a number' if kind is float else kind.__name__}") from None
 
 
 def _normalize(cfg: RunConfig) -> None:

@@ -105,6 +105,9 @@ def problem(error: dict, unknown: Callable[[tuple], str] = known_keys("key", ())
     if kind_ in ("greater_than_equal", "greater_than"):
         sign = "≥" if kind_ == "greater_than_equal" else ">"
         return f"{field} must be {sign} {ctx.get('ge', ctx.get('gt'))}, got {value!r}"
+    if kind_ in ("less_than_equal", "less_than"):
+        sign = "≤" if kind_ == "less_than_equal" else "<"
+        return f"{field} must be {sign} {ctx.get('le', ctx.get('lt'))}, got {value!r}"
     if kind_ == "missing":
         return f"{field} is missing"
     if kind_ in ("value_error", "assertion_error"):  # raised by our own checks: their text as written

@@ -128,8 +128,10 @@ def _or_auto(value, handler):
         return value
     try:
         return handler(value)
-    except ValidationError:
-        raise mistake(f"dp must be an integer (or auto), got {value!r} ({kind(value)})") from None
+    except ValidationError as e:
+        ours = e.errors()[0]["type"] == "file"  # the bounds' own wording (dp must be a positive integer)
+        raise mistake(e.errors()[0]["ctx"]["problem"] if ours else
+                      f"dp must be an integer (or auto), got {value!r} ({kind(value)})") from None
 
 
 def _as_written(value, handler):
