@@ -77,7 +77,7 @@ case("run-unknown-model", ["run", "--model", "gpt9"], "gpt9")
 
 # sweep files: hand-written (tests/bad_inputs/sweeps)
 for file, named in {"steps_huge": "base.steps", "timeout_huge": "base.timeout_s", "world_100000_local": "world_size",
-                    "repeats_huge": "repeats", "bom_then_nan": "base.bucket_mb", "latin1": "UTF-8",
+                    "repeats_huge": "repeats: must be ≤ 1,000", "bom_then_nan": "base.bucket_mb", "latin1": "UTF-8",
                     "binary": "binary", "truncated": "malformed YAML", "a_list": "mapping",
                     "fault_sleep_abc": "base.fault", "dp_zero_in_grid": "grid.dp[1]",
                     "bucket_inf_in_grid": "grid.bucket_mb[1]", "slurm_poll_nan": "launcher.poll_s",
@@ -271,3 +271,15 @@ def test_real_subprocesses(argv, names, tmp_path):
     bench = str(Path(sys.executable).parent / "bench")
     done = subprocess.run([bench, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     _assert_refused(done.returncode, done.stdout + done.stderr, names)
+
+
+def test_sweep_exit_status_with_failed_runs(tmp_path, capsys, monkeypatch):
+    """A failed run is a result (exit 0); --fail-on-failure makes it the sweep's failure (exit 1)."""
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "f.yaml"
+    sweep.write_text("grid: {fault: [none, raise]}\nbase: {steps: 1, warmup: 0}\nlauncher: debug\n")
+    code, output = _bench(["sweep", str(sweep), "--out", "a", "--no-progress"], capsys)
+    assert code == 0 and "failed 1" in output, output
+    code, output = _bench(["sweep", str(sweep), "--out", "a", "--resume", "--no-progress", "--fail-on-failure"],
+                          capsys)
+    assert code == 1 and "1 run(s) in a failed" in output, output

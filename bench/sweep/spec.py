@@ -337,7 +337,7 @@ class SweepFile(BaseModel):
     def _repeats(cls, value):
         reason = check_number("repeats", value, True, (1, MAX_REPEATS, False))
         if reason:
-            raise mistake(reason)
+            raise mistake(reason.removeprefix("repeats "))  # the key path names it
         return value
 
     @field_validator("launcher", mode="before")
