@@ -23,10 +23,11 @@ def app():
 def run(launcher, as_json, **options):
     """Run one benchmark configuration and print its result row."""
     cfg = config_from_options(options)
+    from bench.sweep.local import DebugLauncher, run_debug, run_local
     from bench.sweep.runner import local_size_reason
-    if launcher == "local" and local_size_reason(cfg.world):
-        raise ConfigError(local_size_reason(cfg.world))
-    from bench.sweep.local import run_debug, run_local
+    reason = local_size_reason(cfg.world) if launcher == "local" else DebugLauncher().unsupported(cfg)
+    if reason:  # before anything starts
+        raise ConfigError(reason)
     click.echo(f"running {cfg.backend} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} ({cfg.world} ranks) "
                f"run_id={cfg.run_id}", err=True)
     row = (run_debug if launcher == "debug" else run_local)(cfg)

@@ -251,8 +251,8 @@ def _coerce(key: str, value):
     try:
         return kind(value)
     except ValueError:
-        raise ConfigError(f"model_overrides {key}={value}: {key} must be "
-                          f"{'an integer' if kind is int else 'a number' if kind is float else kind.__name__}") from None
+        wanted = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        raise ConfigError(f"model_overrides {key}={value}: {key} must be {wanted}") from None
 
 
 def _normalize(cfg: RunConfig) -> None:

@@ -73,7 +73,8 @@ def key_path(loc: tuple, prefix: str = "") -> str:
     return out
 
 
-WANTS = {"int_type": "an integer", "float_type": "a number", "finite_number": "a finite number", "bool_type": "true or false", "string_type": "a string",
+WANTS = {"int_type": "an integer", "float_type": "a number", "finite_number": "a finite number",
+         "bool_type": "true or false", "string_type": "a string",
          "dict_type": "a mapping", "list_type": "a list", "tuple_type": "a list", "model_type": "a mapping",
          "dataclass_type": "a mapping", "int_from_float": "an integer", "int_parsing": "an integer",
          "float_parsing": "a number", "bool_parsing": "true or false"}

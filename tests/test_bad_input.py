@@ -74,6 +74,7 @@ case("run-override-no-equals", ["run", "--model-overrides", "layers"], "layers")
 case("run-world-beyond-machine", ["run", "--dp", "100000"], "world size 100000")
 case("run-world-size-mismatch", ["run", "--dp", "2", "--world-size", "3"], "world_size")
 case("run-unknown-model", ["run", "--model", "gpt9"], "gpt9")
+case("run-debug-launcher-world-2", ["run", "--launcher", "debug", "--dp", "2"], "world size 1 only, not 2")
 
 # sweep files: hand-written (tests/bad_inputs/sweeps)
 for file, named in {"steps_huge": "base.steps", "timeout_huge": "base.timeout_s", "world_100000_local": "world_size",
@@ -157,7 +158,8 @@ def scratch(tmp_path_factory) -> Path:
     for name in NUMBER_FIELDS:
         for text in BAD_VALUES:
             axis = "pp" if name == "tp" else "tp"  # any other axis: a key is an axis or a base value, not both
-            (d / f"base-{name}-{text}.yaml").write_text(f"grid: {{{axis}: [1]}}\nbase: {{{name}: {YAML_VALUES[text]}}}\n")
+            (d / f"base-{name}-{text}.yaml").write_text(
+                f"grid: {{{axis}: [1]}}\nbase: {{{name}: {YAML_VALUES[text]}}}\n")
     (d / "folder.yaml").mkdir()
     (d / "empty-folder").mkdir()
     (d / "empty.yaml").write_text("")
@@ -283,3 +285,16 @@ def test_sweep_exit_status_with_failed_runs(tmp_path, capsys, monkeypatch):
     code, output = _bench(["sweep", str(sweep), "--out", "a", "--resume", "--no-progress", "--fail-on-failure"],
                           capsys)
     assert code == 1 and "1 run(s) in a failed" in output, output
+
+
+def test_undeclared_columns_of_any_type_reach_the_parquet_as_text(tmp_path, capsys):
+    """Columns the schema does not declare (a newer backend's extras) may mix types or overflow int64:
+    the parquet writer gets them as text, never a value its column cannot hold."""
+    store = ResultStore(tmp_path / "out")
+    store.write({**skipped_row(RunConfig(), "a reason"), "extra": 10**30, "mixed": [1, 2]})
+    store.write({**skipped_row(RunConfig(seed=1), "a reason"), "extra": 10**30, "mixed": "text"})
+    code, output = _bench(["results", str(tmp_path / "out"), "--quiet"], capsys)
+    assert code == 0, output
+    import pandas as pd
+    df = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    assert sorted(df["mixed"]) == ["[1, 2]", "text"] and set(df["extra"]) == {str(10**30)}

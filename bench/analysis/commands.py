@@ -28,7 +28,8 @@ def _gib(n: float) -> str:
 @click.command("layout")
 @config_options
 @click.option("--gpus-per-node", type=positive_int(), default=8, show_default=True, help="GPUs per node")
-@click.option("--rack-size", type=positive_int(), default=None, help="nodes per rack: warn about pipeline sends across racks")
+@click.option("--rack-size", type=positive_int(), default=None,
+              help="nodes per rack: warn about pipeline sends across racks")
 @click.option("--any-engine", is_flag=True,
               help="with --model: check only the layout and model (what Megatron-LM could run), not this suite's backends")
 @click.option("--json", "as_json", is_flag=True, help="ranks, groups, links and warnings as JSON")

@@ -39,7 +39,8 @@ Positive = Annotated[int, Ge(1)]
 Lines = Annotated[tuple[str, ...], Strict(False)]  # YAML lists become tuples (the profile is frozen)
 
 
-@pydantic.dataclasses.dataclass(frozen=True, config=pydantic.ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
+@pydantic.dataclasses.dataclass(frozen=True, config=pydantic.ConfigDict(strict=True, extra="forbid",
+                                                                       allow_inf_nan=False))
 class SlurmProfile:
     name: str = "local"
     partition: str | None = None

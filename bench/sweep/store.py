@@ -200,8 +200,10 @@ def _one_type(col: "pd.Series") -> "pd.Series":
     type per column."""
     if col.dtype != object:
         return col
-    kinds = {type(v) for v in col if v is not None and not (isinstance(v, float) and math.isnan(v))}
-    if len(kinds) <= 1 and not kinds & {list, dict}:
+    values = [v for v in col if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    kinds = {type(v) for v in values}
+    too_big = kinds == {int} and any(not -INT64 <= v < INT64 for v in values)
+    if len(kinds) <= 1 and not kinds & {list, dict} and not too_big:
         return col
     return col.map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else
                    (v if isinstance(v, str) else json.dumps(v, default=str))).astype("object")
