@@ -124,6 +124,10 @@ for reader, argv in READERS.items():  # the row file given directly, and parquet
          "truncated.parquet")
     case(f"{reader}-foreign-parquet", [a.replace("{rows}", "{d}/foreign.parquet") for a in argv], "foreign.parquet")
     case(f"{reader}-text-as-parquet", [a.replace("{rows}", "{d}/a-file.txt") for a in argv], "a-file.txt")
+    case(f"{reader}-parquet-tp-text", [a.replace("{rows}", "{d}/tp-text.parquet") for a in argv], "tp-text.parquet",
+         "column tp")
+    case(f"{reader}-parquet-bool-number", [a.replace("{rows}", "{d}/bool-number.parquet") for a in argv],
+         "bool-number.parquet", "column sequence_parallel")
     case(f"{reader}-empty-folder", [a.replace("{rows}", "{d}/empty-folder") for a in argv], "empty-folder")
     case(f"{reader}-missing", [a.replace("{rows}", "{d}/nowhere") for a in argv], "nowhere")
 case("results-row-json-null", ["compare", "{d}/good", "{inp}/rows/null.json"], "null.json")
@@ -139,6 +143,8 @@ case("compare-baseline-missing", ["compare", "{d}/nowhere", "{d}/good"], "nowher
 case("history-show-folder", ["history", "show", "--history", "{d}/empty-folder"], "empty-folder")
 case("history-show-truncated", ["history", "show", "--history", "{d}/truncated.parquet"], "truncated.parquet")
 case("history-show-foreign", ["history", "show", "--history", "{d}/foreign.parquet"], "foreign.parquet")
+case("history-show-not-a-history", ["history", "show", "--history", "{d}/not-history.parquet"], "not-history.parquet",
+     "time")
 case("history-show-missing", ["history", "show", "--history", "{d}/nowhere.parquet"], "nowhere.parquet")
 case("history-show-window-zero", ["history", "show", "--window", "0"], "--window")
 case("history-show-threshold-inf", ["history", "show", "--threshold", "inf"], "--threshold")
@@ -181,6 +187,10 @@ def scratch(tmp_path_factory) -> Path:
     (d / "truncated.parquet").write_bytes(parquet[: len(parquet) // 2])
     import pandas as pd
     pd.DataFrame({"x": [1, 2]}).to_parquet(d / "foreign.parquet")
+    table = pd.read_parquet(d / "good" / "results.parquet")
+    table.assign(tp=table["tp"].astype(str)).to_parquet(d / "tp-text.parquet")
+    table.assign(sequence_parallel=1.5).to_parquet(d / "bool-number.parquet")
+    table[["run_id", "config_id", "status"]].to_parquet(d / "not-history.parquet")
     for name, text in (("meta-null", "null"), ("meta-broken", "{")):
         (d / name).mkdir()
         (d / name / "baseline.json").write_text(text)

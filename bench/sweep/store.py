@@ -265,5 +265,22 @@ def load_results(path: str | Path) -> "pd.DataFrame":
         raise ValueError(f"{path}: no result rows")
     if "SCHEMA_VERSION" not in df.columns:
         raise ValueError(f"{path}: not a parabench results table (no SCHEMA_VERSION column)")
+    _check_types(df, path)
     check(df, str(path))
     return df
+
+
+def _check_types(df: "pd.DataFrame", path) -> None:
+    """A parquet file's declared columns hold their declared type (a table written elsewhere may not)."""
+    import pandas as pd
+    for name in (c for c in df.columns if c in COLUMNS and COLUMNS[c].type != "str"):
+        col, type_ = df[name], COLUMNS[name].type
+        if type_ == "bool" and pd.api.types.is_bool_dtype(col):
+            fine = True
+        elif type_ == "bool" or col.dtype == object:  # bool with nulls reads back as objects: look at each
+            fine = all(pd.isna(v) or _holds(type_, v.item() if hasattr(v, "item") else v) for v in col)
+        else:
+            fine = pd.api.types.is_numeric_dtype(col) and not pd.api.types.is_bool_dtype(col)
+        if not fine:
+            raise ValueError(f"{path}: column {name} holds {col.dtype} values where {_TYPE_WORDS[type_]} belongs "
+                             "(not a table written by `bench results`)")
