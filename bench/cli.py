@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> None:
         app(args=argv, prog_name="bench", standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # click's own mistakes (an option's type, a missing argument) as one line
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        click.echo(f"error: {e.format_message()}{hint}", err=True)
         sys.exit(2)
     except (click.exceptions.Abort, KeyboardInterrupt):
         sys.exit(130)
