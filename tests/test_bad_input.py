@@ -78,6 +78,7 @@ case("run-debug-launcher-world-2", ["run", "--launcher", "debug", "--dp", "2"], 
 
 # sweep files: hand-written (tests/bad_inputs/sweeps)
 for file, named in {"steps_huge": "base.steps", "timeout_huge": "base.timeout_s", "world_100000_local": "world_size",
+                    "world_size_beyond_bounds": "world_size: world_size must be ≤ 1,000,000",
                     "repeats_huge": "repeats: must be ≤ 1,000", "bom_then_nan": "base.bucket_mb", "latin1": "UTF-8",
                     "binary": "binary", "truncated": "malformed YAML", "a_list": "mapping",
                     "fault_sleep_abc": "base.fault", "dp_zero_in_grid": "grid.dp[1]",

@@ -277,6 +277,9 @@ class SweepFile(BaseModel):
         values = value if isinstance(value, list) else [value]
         if not values or not all(type(v) is int and v >= 1 for v in values):
             raise mistake(f"must be a positive integer or a non-empty list of them, got {value!r}")
+        too_big = next((field_reason("world_size", v) for v in values if field_reason("world_size", v)), None)
+        if too_big:
+            raise mistake(too_big)
         return values
 
     @field_validator("base", mode="before")
