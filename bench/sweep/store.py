@@ -20,7 +20,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Status
+from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Kind, Status
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -209,6 +209,11 @@ def _one_type(col: "pd.Series") -> "pd.Series":
                    (v if isinstance(v, str) else json.dumps(v, default=str))).astype("object")
 
 
+ADDED_LATER = tuple(name for name in ALWAYS if COLUMNS[name].kind in (Kind.EXACT, Kind.NOISY, Kind.ENVIRONMENT))
+"""Every-row columns a reader fills with None when an older table of the same schema version lacks them:
+adding a measurement or an environment field is no change of meaning (SCHEMA_VERSION's rule)."""
+
+
 def check(df: "pd.DataFrame", source: str) -> None:
     """The invariants every results table keeps; a ValueError names the first broken one."""
     if df.empty:
@@ -266,6 +271,9 @@ def load_results(path: str | Path) -> "pd.DataFrame":
     if "SCHEMA_VERSION" not in df.columns:
         raise ValueError(f"{path}: not a parabench results table (no SCHEMA_VERSION column)")
     _check_types(df, path)
+    for name in ADDED_LATER:  # columns added within this schema version: a table made before lacks them
+        if name not in df.columns:
+            df[name] = None
     check(df, str(path))
     return df
 
