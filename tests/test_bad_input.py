@@ -227,6 +227,13 @@ def test_bad_input_is_refused(argv, names, scratch, capsys, monkeypatch):
     _assert_refused(*_bench(argv, capsys), names)
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
+def test_a_bad_local_rank_limit_is_refused_not_defaulted(value, scratch, capsys, monkeypatch):
+    monkeypatch.setenv("PARABENCH_MAX_LOCAL_RANKS", value)
+    _assert_refused(*_bench(["sweep", str(scratch / "ok.yaml"), "--dry-run"], capsys),
+                    ["PARABENCH_MAX_LOCAL_RANKS", repr(value)])
+
+
 def test_the_corpus_is_large_and_covers_every_command():
     commands = {argv[0] for _, argv, _ in CASES}
     assert len(CASES) >= 100

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench.config import RunConfig
+from bench.config import ConfigError, RunConfig
 from bench.results import PROBLEMS, Status, skipped_row
 from bench.sweep.launcher import Launcher
 from bench.sweep.spec import Expansion, SweepError, SweepSpec, expand
@@ -77,8 +77,12 @@ def local_rank_limit() -> int:
     """Most ranks the local launcher starts at once on this machine: 4 per CPU core, at least 8 (beyond,
     the processes alone exhaust it); PARABENCH_MAX_LOCAL_RANKS sets another limit."""
     import os
-    env = os.environ.get("PARABENCH_MAX_LOCAL_RANKS", "")
-    return int(env) if env.isdigit() else max(8, 4 * (os.cpu_count() or 1))
+    env = os.environ.get("PARABENCH_MAX_LOCAL_RANKS")
+    if env is None:
+        return max(8, 4 * (os.cpu_count() or 1))
+    if not env.strip().isdigit() or int(env) < 1:  # refused, not replaced by the default
+        raise ConfigError(f"PARABENCH_MAX_LOCAL_RANKS must be a positive integer, got {env!r}")
+    return int(env)
 
 
 def local_size_reason(world: int) -> str | None:
