@@ -10,6 +10,11 @@ Layout of a sweep output folder OUT:
 
 A run is written once per attempt; a rerun (--retry-failed) replaces its file, so a sweep killed at
 any moment and resumed holds exactly one row per run.
+
+Every reader goes through `read_row`: a file that is not a result row (not JSON, not an object, a
+required key missing, a declared column holding what its type cannot) is a `CorruptRow` naming the
+file; `--resume` moves it aside (`<file>.corrupt`) and reruns its config. So the parquet writer only
+ever sees values its columns hold.
 """
 from __future__ import annotations
 
