@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
         app(args=argv, prog_name="bench", standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except getattr(click.exceptions, "NoArgsIsHelpError", ()) as e:  # `bench`, `bench history`: the help
+        click.echo(e.ctx.get_help(), err=True)
+        sys.exit(2)
     except click.ClickException as e:  # click's own mistakes (an option's type, a missing argument) as one line
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
