@@ -37,10 +37,6 @@ def positive_int(high: int = MAX_RANKS) -> Number:
     return Number(True, (1, high, False))
 
 
-def positive_number(high: float) -> Number:
-    return Number(False, (0, high, True))
-
-
 FRACTION = Number(False, (0, 1, True))
 """A share in (0, 1]: --memory-fraction."""
 
