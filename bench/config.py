@@ -80,7 +80,9 @@ class RunConfig(BatchShape):
     ds_set: tuple = _f(tuple, "DeepSpeed config override KEY=VALUE with a dotted key (repeatable)")
     world_size: int | None = _f(None, "expected world size; must equal tp × pp × dp when given")
     repeat: int = _f(0, "repeat index of the same config (noise estimation)")
-    fault: str = _f("none", "test-only fault injection: raise | hang | oom on the last rank, or sleep:MS per step")
+    fault: str = _f("none", "test-only fault injection, comma-separated: raise | hang | oom | oom_real on the "
+                            "last rank; sleep:MS per step; stage_sleep:MS per pipeline compute section (native); "
+                            "grad_scale:K, lr_scale:K, sgd:LR at every optimizer step")
     timeout_s: float = _f(600.0, "wall-clock limit of the run in seconds", in_id=False)
 
     def __post_init__(self):
@@ -210,8 +212,7 @@ def _validate(cfg: RunConfig) -> None:
     for name in ("warmup", "seed", "repeat"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be a non-negative integer, got {getattr(cfg, name)!r}")
-    if cfg.fault not in ("none", "raise", "hang", "oom") and not cfg.fault.startswith("sleep:"):
-        raise ConfigError(f"fault is {cfg.fault!r}; choose none, raise, hang, oom or sleep:MS")
+    parse_fault(cfg.fault)
     if cfg.bucket_mb <= 0:
         raise ConfigError(f"bucket_mb must be > 0, got {cfg.bucket_mb}")
     if cfg.world_size is not None and cfg.world != cfg.world_size:
@@ -223,6 +224,28 @@ def _validate(cfg: RunConfig) -> None:
     reason = unsupported_reason(cfg)
     if reason:
         raise ConfigError(reason)
+
+
+# Test-only faults: name → whether it takes a number (`sleep:400`). See bench.worker for what each does.
+FAULTS = {"raise": False, "hang": False, "oom": False, "oom_real": False, "sleep": True, "stage_sleep": True,
+          "grad_scale": True, "lr_scale": True, "sgd": True}
+
+
+def parse_fault(fault: str) -> dict[str, float | None]:
+    """`"sgd:1,grad_scale:2"` → {"sgd": 1.0, "grad_scale": 2.0}; "none" → {}. Raises ConfigError."""
+    if fault == "none":
+        return {}
+    out: dict[str, float | None] = {}
+    for part in fault.split(","):
+        name, _, number = part.strip().partition(":")
+        if name not in FAULTS or FAULTS[name] != bool(number):
+            usage = ", ".join(f"{k}:X" if v else k for k, v in FAULTS.items())
+            raise ConfigError(f"fault is {fault!r}; choose none or a comma-separated list of {usage}")
+        try:
+            out[name] = float(number) if number else None
+        except ValueError:
+            raise ConfigError(f"fault {part!r}: {number!r} is not a number") from None
+    return out
 
 
 def _validate_model_fit(cfg: RunConfig) -> None:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from bench.config import parse_fault
 from bench.native.pipeline_comm import PipeComm
 from bench.native.tensor import vocab_parallel_cross_entropy
 from bench.schedule import rank_chunks, schedule
@@ -103,6 +104,12 @@ class Pipeline:
         seq = run_cfg.seq // (groups.size("tp") if run_cfg.sequence_parallel else 1)
         self.act_shape = (run_cfg.micro_batch, seq, run_cfg.model_config.hidden)
         self.act_dtype = autocast_dtype or torch.float32
+        # test-only (fault stage_sleep:MS): every compute section also sleeps, so stage compute dominates
+        self.stage_sleep_s = (parse_fault(run_cfg.fault).get("stage_sleep") or 0.0) / 1e3
+
+    def _test_delay(self) -> None:
+        if self.stage_sleep_s:
+            time.sleep(self.stage_sleep_s)
 
     def _sid(self, chunk: int) -> int:
         return self.sids[chunk]
@@ -144,6 +151,7 @@ class Pipeline:
                 out = out / self.cfg.micro_batches
             else:
                 out = out.to(self.act_dtype)  # (b, s[/tp], h): what travels to the next stage
+            self._test_delay()
         if sid == self.last_sid:
             losses.append(out.detach())
         else:
@@ -158,6 +166,7 @@ class Pipeline:
             grad = self.comm.recv_backward(out.shape, out.dtype, self.device, chunk)
         with self.meter.compute():
             torch.autograd.backward(out, grad)
+            self._test_delay()
         if sid != 0:
             self.comm.send_backward(x.grad, self._prev_chunk(chunk))
 
