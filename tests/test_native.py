@@ -158,11 +158,11 @@ def test_parity_world4(pools):
     ])
 
 
-def test_parity_grouped_query_attention_world2():
+def test_parity_grouped_query_attention_world2(pools):
     # tiny-gqa: 4 query heads sharing 2 K/V heads (tp 2: one whole group per rank); tiny-llama adds
     # rotary positions, RMSNorm and SwiGLU to the same grouping, with biases off.
     gqa = dict(model="tiny-gqa")
-    check_parity(2, [
+    check_parity(pools(2), [
         RunConfig(**gqa, tp=2, micro_batches=1),
         RunConfig(**gqa, tp=2, micro_batches=2, sequence_parallel=True, model_overrides=("bias=true",)),
         RunConfig(**gqa, pp=2, micro_batches=2, schedule="1f1b"),
