@@ -8,21 +8,20 @@ from dataclasses import fields
 
 import click
 
-from bench.config import RunConfig
+from bench.config import RunConfig, field_types
 
 
 def config_options(func):
-    """One CLI option per RunConfig field, named and documented by the field itself."""
+    """One CLI option per RunConfig field, named, typed and documented by the field itself."""
+    types = field_types()
     for f in reversed(fields(RunConfig)):
-        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
-        kind = {"int": int, "float": float, "int | None": int, "str | None": str}.get(str(f.type), str)
-        if meta["choices"]:
-            kind = click.Choice([str(c) for c in meta["choices"]])
-        if f.type == "bool":
+        flag, meta, (kind, _) = "--" + f.name.replace("_", "-"), f.metadata, types[f.name]
+        if kind is bool:
             func = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=meta["help"])(func)
-        elif f.type == "tuple":
+        elif kind is tuple:
             func = click.option(flag, f.name, multiple=True, help=meta["help"])(func)
         else:
+            kind = click.Choice([str(c) for c in meta["choices"]]) if meta["choices"] else kind
             func = click.option(flag, f.name, type=kind, default=None, help=meta["help"])(func)
     return func
 

@@ -3,14 +3,23 @@
 Field names are the vocabulary of the whole suite: a field `micro_batches` is the CLI flag
 `--micro-batches`, the YAML key `micro_batches` and the dataframe column `micro_batches`.
 Each field's `help` is the CLI's help text.
+
+Validation has two layers. This module checks what holds for any engine: field types and choices,
+the world size, the model's divisibility and the pipeline's shape and schedule (`structural_reason`,
+which the planner also applies to its candidates). bench/capabilities.py declares what each backend
+supports and says why a backend cannot run a config. A RunConfig raises ConfigError with the first
+reason of either, so a config that exists can run.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from functools import lru_cache
 from typing import Any
 
+from bench.capabilities import BACKENDS, CAPABILITIES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES, unsupported_reason
 from bench.layout import ORDERS
 from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
@@ -25,10 +34,6 @@ def _f(default, help: str, choices: tuple | None = None, in_id: bool = True):
     return field(metadata={"help": help, "choices": choices, "in_id": in_id}, **kw)
 
 
-BACKENDS = ("native", "deepspeed", "fsdp", "ddp")
-FSDP_MODES = ("full", "grad-op", "hybrid", "none")
-DTYPES = ("fp32", "bf16-mixed", "fp16-mixed")
-RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -62,7 +67,7 @@ class RunConfig(BatchShape):
     pp: int = _f(1, "pipeline-parallel size (stages)")
     dp: int = _f(1, "data-parallel size (replicas)")
     order: str = _f("tp-pp-dp", "rank order, fastest dimension first", ORDERS)
-    zero: int = _f(0, "ZeRO stage: native 0-1, deepspeed 0-3", (0, 1, 2, 3))
+    zero: int = _f(0, "ZeRO stage: native 0-1, deepspeed 0-3", ZERO_STAGES)
     fsdp: str | None = _f(None, "FSDP sharding (backend fsdp only; default full)", FSDP_MODES)
     schedule: str = _f("1f1b", "pipeline schedule", SCHEDULES)
     virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)")
@@ -127,11 +132,23 @@ class RunConfig(BatchShape):
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"unknown run config field(s) {unknown}{_suggest(unknown[0], known)}")
+            raise ConfigError(f"unknown run config field(s) {unknown}{suggest(unknown[0], known)}")
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items()})
 
     def replace(self, **changes) -> "RunConfig":
         return replace(self, **changes)
+
+
+@lru_cache(maxsize=None)
+def field_types(cls: type = None) -> dict[str, tuple[type, bool]]:
+    """Each field's value type (int, float, bool, str or tuple) and whether None is allowed, from the
+    annotations as Python evaluates them, of RunConfig (default) or another dataclass such as GPTConfig:
+    the CLI, the sweep-file schema and model overrides given as text are typed by it."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls or RunConfig).items():
+        args = typing.get_args(hint)
+        out[name] = (next(a for a in args if a is not type(None)), True) if args else (hint, False)
+    return out
 
 
 def _default(f):
@@ -142,24 +159,34 @@ def _digest(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def _suggest(name: str, known) -> str:
+def suggest(name, known) -> str:
+    """'; did you mean X?' for the closest known name, or ''."""
     import difflib
-    close = difflib.get_close_matches(name, sorted(known), n=1)
+    close = difflib.get_close_matches(str(name), sorted(str(k) for k in known), n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def model_config(preset: str, overrides: tuple | dict = ()) -> GPTConfig:
     items = overrides.items() if isinstance(overrides, dict) else overrides
+    items = tuple(tuple(i) if isinstance(i, list) else i for i in items)
+    try:
+        return _model_config(preset, items)
+    except TypeError:  # an unhashable value: not cacheable, and the override check below words the mistake
+        return _model_config.__wrapped__(preset, items)
+
+
+@lru_cache(maxsize=1024)
+def _model_config(preset: str, items: tuple) -> GPTConfig:
+    """Cached: the planner and the cost model ask for the same (frozen) model config thousands of times."""
     parsed = {}
     for item in items:
-        key, value = item if isinstance(item, (tuple, list)) else _split_kv(item, "model_overrides")
+        key, value = item if isinstance(item, tuple) else _split_kv(item, "model_overrides")
         parsed[key] = value
     try:
         cfg = get_preset(preset)
         if not parsed:
             return cfg
-        types = {f.name: f.type for f in fields(GPTConfig)}
-        return cfg.with_overrides(**{k: _coerce(v, types.get(k, "str")) for k, v in parsed.items()})
+        return cfg.with_overrides(**{k: _coerce(k, v) for k, v in parsed.items()})
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -171,16 +198,22 @@ def _split_kv(item: str, name: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def _coerce(value, type_name: str):
-    if not isinstance(value, str):
-        return value
-    if type_name == "int | None":  # kv_heads=none: back to the default (= heads)
-        return None if value.lower() in ("none", "null") else int(value)
-    if type_name == "int":
-        return int(value)
-    if type_name == "bool":
+def _coerce(key: str, value):
+    """An override given as text (KEY=VALUE) as the GPTConfig field's type; none/null for an optional field
+    (kv_heads=none: back to its default)."""
+    if not isinstance(value, str) or key not in field_types(GPTConfig):
+        return value  # an unknown key: with_overrides names it
+    kind, optional = field_types(GPTConfig)[key]
+    if optional and value.lower() in ("none", "null"):
+        return None
+    if kind is bool:
+        if value.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ConfigError(f"model_overrides {key}={value}: {key} must be true or false")
         return value.lower() in ("1", "true", "yes", "on")
-    return value
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"model_overrides {key}={value}: {key} must be {kind.__name__}") from None
 
 
 def _normalize(cfg: RunConfig) -> None:
@@ -193,17 +226,25 @@ def _normalize(cfg: RunConfig) -> None:
         elif isinstance(value, (list, str)):
             value = tuple([value] if isinstance(value, str) else value)
         set_(name, tuple(value))
-    if cfg.backend == "fsdp" and cfg.fsdp is None:
-        set_("fsdp", "full")
+    if cfg.fsdp is None and cfg.backend in CAPABILITIES:
+        set_("fsdp", CAPABILITIES[cfg.backend].fsdp_default)
     if cfg.seq is None:
         set_("seq", cfg.model_config.seq_len)
 
 
 def _validate(cfg: RunConfig) -> None:
+    """Field types and choices, then what no engine could run, then what this backend cannot run."""
+    _validate_fields(cfg)
+    reason = structural_reason(cfg) or unsupported_reason(cfg)
+    if reason:
+        raise ConfigError(reason)
+
+
+def _validate_fields(cfg: RunConfig) -> None:
     for f in fields(cfg):
         choices, value = f.metadata["choices"], getattr(cfg, f.name)
         if choices and value is not None and value not in choices:
-            raise ConfigError(f"{f.name} is {value!r}{_suggest(str(value), map(str, choices))} "
+            raise ConfigError(f"{f.name} is {value!r}{suggest(str(value), map(str, choices))} "
                               f"(choose one of {', '.join(map(str, choices))})")
     for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch", "micro_batches", "seq", "steps"):
         value = getattr(cfg, name)
@@ -218,12 +259,6 @@ def _validate(cfg: RunConfig) -> None:
     if cfg.world_size is not None and cfg.world != cfg.world_size:
         raise ConfigError(f"tp ({cfg.tp}) × pp ({cfg.pp}) × dp ({cfg.dp}) = {cfg.world}, "
                           f"but world_size is {cfg.world_size}")
-    _validate_model_fit(cfg)
-    _validate_pipeline(cfg)
-    from bench.backends.registry import unsupported_reason
-    reason = unsupported_reason(cfg)
-    if reason:
-        raise ConfigError(reason)
 
 
 # Test-only faults: name → whether it takes a number (`sleep:400`). See bench.worker for what each does.
@@ -248,34 +283,44 @@ def parse_fault(fault: str) -> dict[str, float | None]:
     return out
 
 
-def _validate_model_fit(cfg: RunConfig) -> None:
+def structural_reason(shape) -> str | None:
+    """Why no engine could run this shape (model fit, pipeline shape, schedule rules), or None.
+
+    Reads only the layout and batch fields, so the planner's unvalidated candidates use it too; the
+    second layer, what one backend supports, is bench.capabilities.unsupported_reason."""
+    return _model_fit_reason(shape) or _pipeline_reason(shape)
+
+
+def _model_fit_reason(cfg) -> str | None:
     m = cfg.model_config
     # kv_heads: tensor parallel splits whole query groups with their K/V head (no K/V replication)
     for what, value in (("heads", m.heads), ("kv_heads", m.num_kv_heads), ("ffn_hidden", m.ffn_hidden),
                         ("vocab", m.vocab)):
         if value % cfg.tp:
-            raise ConfigError(f"model {what} ({value}) is not divisible by tp ({cfg.tp}); "
-                              f"pick tp from the divisors of {value}")
+            return f"model {what} ({value}) is not divisible by tp ({cfg.tp}); pick tp from the divisors of {value}"
     if cfg.seq > m.seq_len and m.position == "learned":
-        raise ConfigError(f"seq ({cfg.seq}) exceeds the model's seq_len ({m.seq_len})")
+        return f"seq ({cfg.seq}) exceeds the model's seq_len ({m.seq_len})"
     if cfg.sequence_parallel and cfg.tp == 1:
-        raise ConfigError("sequence_parallel needs tp > 1 (it shards along the sequence within a tp group)")
+        return "sequence_parallel needs tp > 1 (it shards along the sequence within a tp group)"
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
-        raise ConfigError(f"sequence_parallel needs seq ({cfg.seq}) divisible by tp ({cfg.tp})")
+        return f"sequence_parallel needs seq ({cfg.seq}) divisible by tp ({cfg.tp})"
+    return None
 
 
-def _validate_pipeline(cfg: RunConfig) -> None:
+def _pipeline_reason(cfg) -> str | None:
     m, chunks = cfg.model_config, cfg.pp * cfg.virtual_stages
     if m.layers < chunks:
-        raise ConfigError(f"model layers ({m.layers}) < pp ({cfg.pp}) × virtual_stages ({cfg.virtual_stages}) "
-                          f"= {chunks}: every pipeline stage needs at least one layer")
+        return (f"model layers ({m.layers}) < pp ({cfg.pp}) × virtual_stages ({cfg.virtual_stages}) "
+                f"= {chunks}: every pipeline stage needs at least one layer")
     if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
-        raise ConfigError(f"virtual_stages ({cfg.virtual_stages}) > 1 needs schedule interleaved, "
-                          f"not {cfg.schedule}")
+        return f"virtual_stages ({cfg.virtual_stages}) > 1 needs schedule interleaved, not {cfg.schedule}"
+    if cfg.virtual_stages > 1 and cfg.pp == 1:
+        return (f"virtual_stages ({cfg.virtual_stages}) > 1 needs pp > 1 "
+                "(interleaving spreads model chunks over pipeline ranks)")
     if cfg.schedule == "interleaved" and cfg.pp > 1:
         if m.layers % chunks:
-            raise ConfigError(f"interleaved: model layers ({m.layers}) must be divisible by pp ({cfg.pp}) × "
-                              f"virtual_stages ({cfg.virtual_stages}) = {chunks}")
+            return (f"interleaved: model layers ({m.layers}) must be divisible by pp ({cfg.pp}) × "
+                    f"virtual_stages ({cfg.virtual_stages}) = {chunks}")
         if cfg.micro_batches % cfg.pp:
-            raise ConfigError(f"interleaved: micro_batches ({cfg.micro_batches}) must be a multiple of "
-                              f"pp ({cfg.pp})")
+            return f"interleaved: micro_batches ({cfg.micro_batches}) must be a multiple of pp ({cfg.pp})"
+    return None

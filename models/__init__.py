@@ -1,6 +1,16 @@
-"""The shared model definition: one GPT, presets, parameter and FLOP counts. No distributed code."""
-from models.config import (PRESETS, GPTConfig, count_params, flops_per_token, get_preset)
-from models.gpt import GPT, Block, build_model, init_value, init_weights, loss_fn
+"""The shared model definition: one GPT, presets, parameter and FLOP counts. No distributed code.
 
-__all__ = ["PRESETS", "GPTConfig", "count_params", "flops_per_token", "get_preset", "GPT", "Block",
-           "build_model", "init_value", "init_weights", "loss_fn"]
+The torch half (`models.gpt`) loads on first use (PEP 562), so `import models` and the pure
+`models.config` stay importable without torch: the planner and `bench layout` never pay for it."""
+from models.config import PRESETS, GPTConfig, count_params, flops_per_token, get_preset
+
+_TORCH_NAMES = ("GPT", "Block", "build_model", "init_value", "init_weights", "loss_fn")
+
+__all__ = ["PRESETS", "GPTConfig", "count_params", "flops_per_token", "get_preset", *_TORCH_NAMES]
+
+
+def __getattr__(name: str):
+    if name in _TORCH_NAMES:
+        from models import gpt
+        return getattr(gpt, name)
+    raise AttributeError(f"module 'models' has no attribute {name!r}")

@@ -248,3 +248,34 @@ def test_plan_gpt3_175b_4096_fast_and_cli():
     text = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpus", "4", "--hardware", "cpu",
                                     "--gpus-per-node", "2", "--global-batch", "8"]).output
     assert "top" in text and "dropped" in text
+
+
+@pytest.mark.parametrize("model,gpus,batch", [("tiny", 8, 16), ("gpt2-124m", 24, 48)])
+def test_plan_validation_caches_agree_with_runconfig(model, gpus, batch):
+    """The planner caches each validation layer on the fields it reads; every candidate gets
+    RunConfig's own verdict, up to the numbers in the reason (the planner counts reasons without them);
+    a rule reading a field the keys miss would fail here."""
+    from dataclasses import replace
+
+    from bench.analysis.planner import RECOMPUTE, SHARDINGS, _reason_class, _Validator, points, run_config_reason
+    verdict = lambda reason: reason and _reason_class(reason)  # noqa: E731
+    cached, n = _Validator(), 0
+    for point, orders, skip in points(model, gpus, batch, PRESETS[model].seq_len, "bf16-mixed", 8):
+        for backend, zero, fsdp in [] if skip else SHARDINGS:
+            for recompute, order in ((r, o) for r in RECOMPUTE for o in orders):
+                shape = replace(point, backend=backend, zero=zero, fsdp=fsdp, recompute=recompute, order=order)
+                assert verdict(cached(shape)) == verdict(run_config_reason(shape)), shape
+                n += 1
+    assert n > 1000
+
+
+def test_hardware_file_mistakes_name_the_key(tmp_path):
+    from bench.typed_yaml import FileError
+    good = {"name": "g", "peak_flops": {"fp32": "50T"}, "memory_bytes": "48GiB", "intra_node_bw": 1, "inter_node_bw": 1}
+    for patch, message in (({"memory_bytes": "12 parsecs"}, "memory_bytes: cannot read '12 parsecs' as a number"),
+                           ({"gpu_per_node": 4}, "gpu_per_node: unknown hardware field; did you mean 'gpus_per_node'?"),
+                           ({"gpus_per_node": "four"}, "gpus_per_node: gpus_per_node must be an integer")):
+        path = tmp_path / "hw.yaml"
+        path.write_text(json.dumps({"profiles": [good, {**good, "name": "h", **patch}]}))  # JSON is YAML
+        with pytest.raises(FileError, match=f"^{path}: profiles\\[1\\]\\.{message}"):
+            get_hardware(f"{path}:h")

@@ -26,10 +26,25 @@ from bench.config import ConfigError, RunConfig
     (dict(model="gpt5"), "unknown model preset 'gpt5'"),
     (dict(model_overrides=("layerz=2",)), "unknown model field"),
     (dict(dtype="fp16-mixed", device="cpu"), "fp16-mixed is not supported on cpu"),
+    (dict(schedule="interleaved", virtual_stages=2), r"virtual_stages \(2\) > 1 needs pp > 1"),
+    # what a backend lacks (bench/capabilities.py), named with the fix
+    (dict(backend="deepspeed", pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2),
+     r"backend deepspeed: virtual_stages \(2\) > 1 is not supported .*use virtual_stages 1"),
+    (dict(backend="native", dtype="fp16-mixed", device="cuda"), r"not fp16-mixed \(no loss scaling here\); use bf16"),
+    (dict(backend="ddp", dtype="fp16-mixed", device="cuda"), r"backend ddp supports dtype fp32 and bf16-mixed"),
 ])
 def test_bad_configs_name_the_fields(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         RunConfig(**kwargs)
+
+
+def test_capabilities_answer_per_backend_without_building_anything():
+    from bench.capabilities import CAPABILITIES, can_run, unsupported_reason
+    interleaved = RunConfig(pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2)
+    assert [b for b in CAPABILITIES if can_run(b, interleaved)] == ["native", "fsdp"]
+    fp16 = RunConfig(backend="deepspeed", dtype="fp16-mixed", device="cuda")  # DeepSpeed scales the loss
+    assert [b for b in CAPABILITIES if can_run(b, fp16)] == ["deepspeed"]
+    assert unsupported_reason(fp16, "ddp").startswith("backend ddp supports dtype fp32 and bf16-mixed")
 
 
 def test_run_id_stable_and_repeat_aware():

@@ -84,15 +84,15 @@ def _shape_from_options(options: dict):
     from dataclasses import MISSING, fields, replace
 
     from bench.analysis.estimate import Shape
-    from bench.analysis.planner import structural_reason
-    from bench.config import ConfigError, RunConfig
+    from bench.capabilities import CAPABILITIES
+    from bench.config import ConfigError, RunConfig, structural_reason
     from models.config import get_preset
     defaults = {f.name: (f.default_factory() if f.default is MISSING else f.default)
                 for f in fields(RunConfig) if f.name in {g.name for g in fields(Shape)}}
     given = {k: v for k, v in options.items() if v is not None and v != () and k in defaults}
     values = {**defaults, **given, "zero": int(given.get("zero", 0))}
-    if values["backend"] == "fsdp" and values["fsdp"] is None:
-        values["fsdp"] = "full"
+    if values["fsdp"] is None and values["backend"] in CAPABILITIES:
+        values["fsdp"] = CAPABILITIES[values["backend"]].fsdp_default
     values["model_overrides"] = tuple(values.get("model_overrides") or ())
     get_preset(values["model"])  # unknown preset: the error lists the known ones
     shape = Shape(**values)
@@ -106,7 +106,7 @@ def _shape_from_options(options: dict):
 
 def _print_estimate(est: dict) -> None:
     from bench.layout import DIMS
-    from bench.results import comm_column
+    from bench.results.schema import comm_column
     if "world_size" not in est:  # --params
         click.echo(f"{est['params']:.4g} params, dp={est['dp']}, ZeRO-{est['zero']}, {est['dtype']}, per device:")
     else:

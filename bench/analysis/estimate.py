@@ -27,7 +27,7 @@ from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memo
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.schedule import BACKWARD, FORWARD
 from bench.config import BatchShape
-from bench.results import comm_columns
+from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",

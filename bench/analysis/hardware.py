@@ -12,7 +12,9 @@ matmuls sustain; the cost model divides FLOPs by peak × efficiency.
 
 User profiles: a YAML file with one profile (a mapping of the fields below) or several under
 `profiles:`; pass its path as `--hardware my.yaml` (or `--hardware my.yaml:name`), or point
-`PARABENCH_HARDWARE` at it to add its profiles to the known names. Sizes accept suffixes
+`PARABENCH_HARDWARE` at it to add its profiles to the known names. pydantic reads the file into
+`Hardware` itself (its annotations are the schema; bench/typed_yaml.py says why pydantic), so a
+mistake names the file and key; it is imported only when a file is read. Sizes accept suffixes
 (`80GiB`, `450GB`, `989T`), e.g.:
 
     name: my-gpu
@@ -27,24 +29,46 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, fields
+from functools import cache
 from pathlib import Path
+from typing import Annotated
+
+from bench.typed_yaml import FileError, file_error, known_keys, load_yaml
+
+
+class _Quantity:
+    """Annotation of a size or rate: a number, or text with a unit suffix, read by `parse_quantity`
+    when pydantic validates a file (the pydantic hook imports pydantic only then)."""
+
+    def __get_pydantic_core_schema__(self, source, handler):
+        from pydantic_core import core_schema
+        return core_schema.no_info_before_validator_function(parse_quantity, core_schema.float_schema(strict=True))
+
+
+Quantity = Annotated[float, _Quantity()]
 
 
 @dataclass(frozen=True)
 class Hardware:
+    __pydantic_config__ = {"strict": False, "extra": "forbid"}  # for files: unknown keys are mistakes
+
     name: str
-    peak_flops: dict  # dtype ("fp32", "bf16", "fp16") → FLOP/s per device
-    memory_bytes: float
-    intra_node_bw: float  # bytes/s per device, one direction (NVLink)
-    inter_node_bw: float  # bytes/s per device, one direction (InfiniBand / RoCE)
-    intra_node_latency_s: float = 5e-6
-    inter_node_latency_s: float = 10e-6
+    peak_flops: dict[str, Quantity]  # dtype ("fp32", "bf16", "fp16") → FLOP/s per device
+    memory_bytes: Quantity
+    intra_node_bw: Quantity  # bytes/s per device, one direction (NVLink)
+    inter_node_bw: Quantity  # bytes/s per device, one direction (InfiniBand / RoCE)
+    intra_node_latency_s: Quantity = 5e-6
+    inter_node_latency_s: Quantity = 10e-6
     gpus_per_node: int = 8
-    compute_efficiency: float = 0.6
+    compute_efficiency: Quantity = 0.6
     """Sustained fraction of peak FLOP/s for the model's matmuls (achieved MFU of ~50 % at scale
     on A100/H100 in Megatron-LM and Llama 2 reports implies ~0.6 before bubbles and comm)."""
     source: str = "vendor datasheet"
-    match: tuple = ()  # substrings of torch.cuda.get_device_name() that identify the device
+    match: tuple[str, ...] = ()  # substrings of torch.cuda.get_device_name() that identify the device
+
+    def __post_init__(self):
+        if "fp32" not in self.peak_flops:  # the fallback of `peak` for a dtype without its own figure
+            raise ValueError("peak_flops must map dtypes to FLOP/s and include fp32, e.g. {bf16: 989T, fp32: 67T}")
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype_key(dtype)) or self.peak_flops["fp32"]
@@ -90,49 +114,46 @@ _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
            "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def parse_quantity(value, key: str) -> float:
+def parse_quantity(value, key: str = "") -> float:
     """12.5, "80GiB", "450GB", "989T", "1.5e9" → a number (B and /s suffixes are ignored)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtTpP]?(?:i?[bB])?)?\s*(?:/s)?\s*", str(value))
     unit = (m.group(2) or "").lower().rstrip("b") if m else None
     if not m or unit not in _SUFFIX:
-        raise ValueError(f"hardware field {key}: cannot read {value!r} as a number (e.g. 80GiB, 450GB, 989T)")
+        where = f"hardware field {key}: " if key else ""
+        raise ValueError(f"{where}cannot read {value!r} as a number (e.g. 80GiB, 450GB, 989T)")
     return float(m.group(1)) * _SUFFIX[unit]
 
 
-def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
-    known = {f.name for f in fields(Hardware)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown hardware field(s) {unknown}; known: {sorted(known)}")
-    missing = sorted({"name", "peak_flops", "memory_bytes", "intra_node_bw", "inter_node_bw"} - set(data))
-    if missing:
-        raise ValueError(f"{where}: missing hardware field(s) {missing}")
-    if not isinstance(data["peak_flops"], dict) or "fp32" not in data["peak_flops"]:
-        raise ValueError(f"{where}: peak_flops must map dtypes to FLOP/s and include fp32, "
-                         "e.g. {bf16: 989T, fp32: 67T}")
-    out = dict(data, source=data.get("source", where), match=tuple(data.get("match", ())))
-    out["peak_flops"] = {k: parse_quantity(v, f"peak_flops.{k}") for k, v in data["peak_flops"].items()}
-    for key in ("memory_bytes", "intra_node_bw", "inter_node_bw", "intra_node_latency_s",
-                "inter_node_latency_s", "compute_efficiency"):
-        if key in out:
-            out[key] = parse_quantity(out[key], key)
-    if "gpus_per_node" in out:
-        out["gpus_per_node"] = int(out["gpus_per_node"])
-    return Hardware(**out)
+@cache
+def _file_schema():
+    from pydantic import TypeAdapter
+    return TypeAdapter(Hardware)
+
+
+def hardware_from_dict(data: dict, source: str = "profile", prefix: str = "") -> Hardware:
+    """A profile from a file's mapping; errors name `source` and the key (after `prefix`)."""
+    import pydantic
+    known = tuple(f.name for f in fields(Hardware))
+    try:
+        return _file_schema().validate_python({"source": source, **data})
+    except pydantic.ValidationError as e:
+        raise file_error(e, source, prefix, known_keys("hardware field", known), data) from None
 
 
 def load_profiles(path: str | Path) -> dict[str, Hardware]:
-    import yaml
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"hardware profile file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
-    items = data.get("profiles", [data]) if isinstance(data, dict) else data
+    data = load_yaml(path) or {}
+    several = isinstance(data, dict) and "profiles" in data
+    items = data["profiles"] if several else [data]
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        raise ValueError(f"{path}: expected a profile mapping or `profiles:` with a list of them")
-    return {p.name: p for p in (hardware_from_dict(i, str(path)) for i in items)}
+        raise FileError(str(path), "profiles" if several else "", "expected a profile mapping or `profiles:` "
+                                                                   "with a list of them")
+    return {p.name: p for p in (hardware_from_dict(item, str(path), f"profiles[{i}]." if several else "")
+                                for i, item in enumerate(items))}
 
 
 def known_profiles() -> dict[str, Hardware]:

@@ -6,7 +6,7 @@ dp = gpus / (tp·pp) dividing the global batch; the micro-batch size b (m = B / 
 schedule (gpipe, 1f1b, interleaved with every v that divides the layers); the model-state sharding
 (native ZeRO 0/1, DeepSpeed ZeRO 2/3, FSDP full/grad-op/hybrid); sequence parallel; recomputation;
 the rank order (only when it changes which groups cross nodes). Each candidate is checked by
-RunConfig's own validator (cached per combination of the fields the validator reads), then by
+RunConfig's two validation layers (each cached on the fields it reads), then by
 memory, then timed by `bench.analysis.estimate`. Candidates the model predicts identically under
 two backends are kept once (native first).
 """
@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
-from bench.analysis.stage_plan import stage_plan
 from bench.analysis.hardware import Hardware, get_hardware
+from bench.analysis.stage_plan import stage_plan
+from bench.config import ConfigError, RunConfig, structural_reason
 from models.config import get_preset
 
 # (backend, zero, fsdp) in order of preference; the cost model tells these apart by what they shard
@@ -43,49 +45,68 @@ class Plan:
     dropped: Counter  # reason → count
 
 
-def _validation_key(s: Shape) -> tuple:
-    """The fields RunConfig's validator reads: every field but the micro-batch size, with dp and
-    micro_batches only through the comparisons the checks make (dp ≥ 2; m vs pp)."""
-    return (s.backend, s.tp, s.pp, s.dp >= 2, s.zero, s.fsdp, s.schedule, s.virtual_stages, s.order,
-            s.micro_batches % s.pp == 0, s.micro_batches >= s.pp, s.sequence_parallel, s.recompute, s.dtype, s.seq)
-
-
 ENGINES = ("suite", "any")
 """suite: what this suite's backends can run (RunConfig's whole validator); any: what a complete
 engine such as Megatron-LM could run (RunConfig's layout and model checks, no backend checks)."""
 
 
-def structural_reason(s) -> str | None:
-    """RunConfig's own layout/model/pipeline checks without the backend support checks."""
-    from bench.config import ConfigError, _validate_model_fit, _validate_pipeline
-    try:
-        _validate_model_fit(s)
-        _validate_pipeline(s)
-    except ConfigError as e:
-        return str(e)
-    return None
+def _structure_key(s: Shape) -> tuple:
+    """What `structural_reason` reads (model fixed): the layout, the schedule, micro-batches only
+    as a multiple of pp."""
+    return (s.tp, s.pp, s.virtual_stages, s.schedule, s.sequence_parallel, s.seq, s.micro_batches % s.pp == 0)
+
+
+def _support_facts(s: Shape) -> tuple:
+    """What `bench.capabilities.unsupported_reason` reads of a point besides the backend options
+    (model fixed): the sizes only through the comparisons its rules make."""
+    return (s.dtype, s.sequence_parallel, s.schedule, s.tp > 1, s.pp > 1, s.virtual_stages > 1,
+            s.micro_batches < s.pp, s.dp >= 2)
 
 
 class _Validator:
-    def __init__(self, engines: str = "suite"):
+    """The two validation layers, each cached on what it reads: tens of thousands of candidates
+    share a few hundred answers (tests/test_analysis.py checks the keys against the uncached validator).
+    Candidates are validated on `device` (the planner's hardware: cuda, or cpu for the cpu profile)."""
+
+    def __init__(self, engines: str = "suite", device: str = "cuda"):
         if engines not in ENGINES:
             raise ValueError(f"engines is {engines!r}; choose one of {', '.join(ENGINES)}")
-        self.engines, self.cache = engines, {}
+        self.engines, self.device, self.structures, self.supports = engines, device, {}, {}
+
+    def structure(self, point: Shape) -> str | None:
+        key = _structure_key(point)
+        if key not in self.structures:
+            self.structures[key] = structural_reason(point)
+        return self.structures[key]
+
+    def support(self, point: Shape, options: dict, facts: tuple) -> str | None:
+        """`options`: the backend, zero, fsdp and recompute fields that complete the point;
+        `facts`: `_support_facts(point)`, computed once per point."""
+        if self.engines == "any":
+            return None
+        key = (*options.values(), *facts)
+        if key not in self.supports:
+            self.supports[key] = run_config_reason(replace(point, **options), self.device)
+        return self.supports[key]
 
     def __call__(self, s: Shape) -> str | None:
-        key = _validation_key(s)
-        if key not in self.cache:
-            self.cache[key] = structural_reason(s) if self.engines == "any" else _run_config_reason(s)
-        return self.cache[key]
+        options = {k: getattr(s, k) for k in ("backend", "zero", "fsdp", "recompute")}
+        return self.structure(s) or self.support(s, options, _support_facts(s))
 
 
-def _run_config_reason(s: Shape) -> str | None:
-    from bench.config import ConfigError, RunConfig
+def run_config_reason(s: Shape, device: str = "cuda") -> str | None:
+    """RunConfig's whole verdict on a candidate (uncached)."""
     try:
-        RunConfig(**{f.name: getattr(s, f.name) for f in fields(Shape)})
+        RunConfig(**{f.name: getattr(s, f.name) for f in fields(Shape)}, device=device)
     except ConfigError as e:
         return str(e)
     return None
+
+
+@lru_cache(maxsize=None)
+def _reason_class(reason: str) -> str:
+    """Reasons differ only in their numbers between candidates; count them as one class."""
+    return "invalid: " + re.sub(r"\b\d+\b", "N", reason)
 
 
 def _sharding_what(backend: str, zero: int, fsdp: str | None) -> str:
@@ -94,8 +115,10 @@ def _sharding_what(backend: str, zero: int, fsdp: str | None) -> str:
     return ("none", "optimizer", "grads", "params")[zero]
 
 
-def candidates(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_per_node: int):
-    """Every Shape to consider (before validation), with a few structural skips counted by the caller."""
+def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_per_node: int):
+    """Every layout × micro-batch size × schedule × sequence parallel, as a Shape with the default
+    backend options, with the rank orders worth comparing; (None, (), reason) for a layout whose dp
+    does not divide the global batch."""
     m = get_preset(model)
     for tp in divisors(gpus):
         if m.num_kv_heads % tp or m.ffn_hidden % tp or m.vocab % tp:  # kv_heads divides heads
@@ -105,12 +128,12 @@ def candidates(model: str, gpus: int, global_batch: int, seq: int, dtype: str, g
                 continue
             dp = gpus // (tp * pp)
             if global_batch % dp:
-                yield None, "global batch not divisible by dp"
+                yield None, (), "global batch not divisible by dp"
                 continue
-            orders = ["tp-pp-dp"]
+            orders = ("tp-pp-dp",)
             if any(crosses_nodes(tp, pp, dp, "tp-pp-dp", gpus_per_node, d) !=
                    crosses_nodes(tp, pp, dp, "tp-dp-pp", gpus_per_node, d) for d in ("pp", "dp")):
-                orders.append("tp-dp-pp")
+                orders += ("tp-dp-pp",)
             for b in divisors(global_batch // dp):
                 if b > MAX_MICRO_BATCH:
                     break
@@ -121,13 +144,29 @@ def candidates(model: str, gpus: int, global_batch: int, seq: int, dtype: str, g
                                                    if 1 < v <= MAX_VIRTUAL and m.layers % (pp * v) == 0]
                 for schedule, v in schedules:
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        for backend, zero, fsdp in SHARDINGS:
-                            for recompute in RECOMPUTE:
-                                for order in orders:
-                                    yield Shape(model=model, tp=tp, pp=pp, dp=dp, backend=backend, order=order,
-                                                zero=zero, fsdp=fsdp, schedule=schedule, virtual_stages=v,
-                                                micro_batch=b, micro_batches=mb, seq=seq, dtype=dtype,
-                                                sequence_parallel=sp, recompute=recompute), None
+                        yield Shape(model=model, tp=tp, pp=pp, dp=dp, schedule=schedule, virtual_stages=v,
+                                    micro_batch=b, micro_batches=mb, seq=seq, dtype=dtype,
+                                    sequence_parallel=sp), orders, None
+
+
+def _valid_shapes(point: Shape, orders: tuple, validate: _Validator, dropped: Counter):
+    """The candidates of one point (sharding × recomputation × rank order) that pass validation;
+    each refused candidate is counted under its reason. Validity does not depend on the rank order,
+    so each answer counts for every order; a Shape is built only for the valid ones."""
+    reason = validate.structure(point)
+    if reason:
+        dropped[_reason_class(reason)] += len(SHARDINGS) * len(RECOMPUTE) * len(orders)
+        return
+    facts, fields_ = _support_facts(point), vars(point)  # Shape(**…) is cheaper than dataclasses.replace
+    for backend, zero, fsdp in SHARDINGS:
+        for recompute in RECOMPUTE:
+            options = {"backend": backend, "zero": zero, "fsdp": fsdp, "recompute": recompute}
+            reason = validate.support(point, options, facts)
+            if reason:
+                dropped[_reason_class(reason)] += len(orders)
+                continue
+            for order in orders:
+                yield Shape(**{**fields_, **options, "order": order})
 
 
 def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, global_batch: int,
@@ -145,34 +184,33 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     limit = hw.memory_bytes * memory_fraction
-    validate, dropped, seen = _Validator(engines), Counter(), set()
+    validate = _Validator(engines, "cpu" if hw.name == "cpu" else "cuda")
+    dropped, seen, results = Counter(), set(), []
     considered = valid = 0
-    results = []
-    for shape, skip in candidates(model, gpus, global_batch, seq, dtype, gpus_per_node):
-        considered += 1
+    for point, orders, skip in points(model, gpus, global_batch, seq, dtype, gpus_per_node):
         if skip:
+            considered += 1
             dropped[skip] += 1
             continue
-        reason = validate(shape)
-        if reason:
-            dropped["invalid: " + re.sub(r"\b\d+\b", "N", reason)] += 1
-            continue
-        key = (shape.tp, shape.pp, shape.schedule, shape.virtual_stages, shape.micro_batch, shape.sequence_parallel,
-               shape.recompute, shape.order, _sharding_what(shape.backend, shape.zero, shape.fsdp))
-        if key in seen:
-            dropped["duplicate of an equivalent config on another backend"] += 1
-            continue
-        seen.add(key)
-        valid += 1
-        stages = stage_plan(shape, gpus_per_node, extreme_stages(shape.pp))
-        mem = memory(stages, mixed_state, activations)
-        if mem["total_bytes"] > limit:
-            parts = {k: mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")}
-            dropped[f"out of memory (> {memory_fraction:.0%} of {hw.memory_bytes / 2**30:.0f} GiB; "
-                    f"largest part: {max(parts, key=parts.get).removesuffix('_bytes')})"] += 1
-            continue
-        time = predict_time(stages, hw, mixed_state)
-        results.append((shape, mem, time))
+        considered += len(SHARDINGS) * len(RECOMPUTE) * len(orders)
+        for shape in _valid_shapes(point, orders, validate, dropped):
+            key = (shape.tp, shape.pp, shape.schedule, shape.virtual_stages, shape.micro_batch,
+                   shape.sequence_parallel, shape.recompute, shape.order,
+                   _sharding_what(shape.backend, shape.zero, shape.fsdp))
+            if key in seen:
+                dropped["duplicate of an equivalent config on another backend"] += 1
+                continue
+            seen.add(key)
+            valid += 1
+            stages = stage_plan(shape, gpus_per_node, extreme_stages(shape.pp))
+            mem = memory(stages, mixed_state, activations)
+            if mem["total_bytes"] > limit:
+                parts = {k: mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")}
+                dropped[f"out of memory (> {memory_fraction:.0%} of {hw.memory_bytes / 2**30:.0f} GiB; "
+                        f"largest part: {max(parts, key=parts.get).removesuffix('_bytes')})"] += 1
+                continue
+            time = predict_time(stages, hw, mixed_state)
+            results.append((shape, mem, time))
     results.sort(key=lambda r: (-round(r[2]["tokens_per_s"], 3), r[1]["total_bytes"]))  # ties: less memory
     return Plan([_row(*r) for r in results[:top]], considered, valid, len(results), dropped)
 

@@ -1,6 +1,6 @@
 """The DeepSpeed config of a run, generated from its RunConfig (never hand-written), and `ds_set` overrides.
 
-Pure (no torch, no deepspeed import): the registry check parses the overrides before any process
+Pure (no torch, no deepspeed import): bench.capabilities parses the overrides before any process
 starts, and a test can read the generated config without a rank.
 
 Bucket sizes: DeepSpeed counts its buckets in *elements*; `bucket_mb` is MiB of gradient, so it is
@@ -105,7 +105,7 @@ def final_config(cfg) -> dict:
 
 
 def check(cfg) -> str | None:
-    """Why the overrides of `cfg` cannot run, or None (part of the registry's deepspeed check)."""
+    """Why the overrides of `cfg` cannot run, or None (the last of bench.capabilities' deepspeed checks)."""
     try:
         config = final_config(cfg)
     except DSSetError as e:

@@ -8,7 +8,9 @@ run's row to the results store itself, so a sweep process that dies loses no fin
 writes only the rows of jobs that ended without one (failed, timeout, oom, cancelled).
 
 Cluster settings live in named profiles, slurm/profiles/<name>.yaml (keys: PROFILE_KEYS); a sweep file
-may override any of them under `launcher:`.
+may override any of them under `launcher:`. A profile is a pydantic dataclass (strict types, bounds
+in the annotations; see bench/typed_yaml.py for why pydantic): the file and the overrides are checked
+by the same types, and a mistake names its file and key.
 """
 from __future__ import annotations
 
@@ -17,44 +19,54 @@ import os
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
+
+import pydantic
+from annotated_types import Ge
+from pydantic import Strict
 
 from bench.config import RunConfig
 from bench.results import Status, classify_error, failure_row
 from bench.sweep.launcher import Launcher
 from bench.sweep.store import ResultStore
+from bench.typed_yaml import FileError, file_error, known_keys, load_yaml, suggest
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "profiles"
 
 
-@dataclass(frozen=True)
+Count = Annotated[int, Ge(0)]
+Positive = Annotated[int, Ge(1)]
+Lines = Annotated[tuple[str, ...], Strict(False)]  # YAML lists become tuples (the profile is frozen)
+
+
+@pydantic.dataclasses.dataclass(frozen=True, config=pydantic.ConfigDict(strict=True, extra="forbid"))
 class SlurmProfile:
     name: str = "local"
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
-    ranks_per_node: int = 8
+    ranks_per_node: Positive = 8
     """Most ranks (tasks) one node runs: a run of world size W takes ceil(W / ranks_per_node) nodes."""
-    nodes: int | None = None
+    nodes: Positive | None = None
     """Fixed node count (overrides ranks_per_node); the world size must be a multiple of it."""
-    gpus_per_node: int = 0
+    gpus_per_node: Count = 0
     """GPUs requested per node (0: request none)."""
-    cpus_per_task: int = 1
+    cpus_per_task: Count = 1
     mem_gb: float | None = None
-    time_min: int | None = None
+    time_min: Count | None = None
     """Job time limit; default: the run's timeout_s in minutes, rounded up, plus 2 for start-up."""
-    max_parallel: int = 8
+    max_parallel: Positive = 8
     """Concurrency cap of each job array (the %N of --array)."""
     exclusive: bool = False
     """Whole nodes per job (--exclusive): use for timed runs."""
-    setup: tuple = ()
+    setup: Lines = ()
     """Shell lines run in the batch script before the tasks start (module load, venv activation…)."""
     env: dict = field(default_factory=dict)
     """Environment variables exported before the tasks start."""
-    srun_args: tuple = ("--kill-on-bad-exit=1",)
+    srun_args: Lines = ("--kill-on-bad-exit=1",)
     """A rank that fails takes the others down instead of leaving them in a collective."""
-    signal_delay_s: int = 30
+    signal_delay_s: Count = 30
     slurm_additional_parameters: dict = field(default_factory=dict)
     """Any other sbatch option, e.g. {reservation: my-res}."""
     poll_s: float = 1.0
@@ -80,8 +92,6 @@ class SlurmProfile:
 
 
 PROFILE_KEYS = tuple(f.name for f in fields(SlurmProfile) if f.name != "name")
-_TYPES = {"str | None": (str, type(None)), "int": int, "int | None": (int, type(None)), "float | None":
-          (int, float, type(None)), "float": (int, float), "bool": bool, "tuple": list, "dict": dict}
 
 
 def profile_names() -> list[str]:
@@ -92,37 +102,27 @@ def load_profile(name: str, overrides: dict | None = None, source: str = "<launc
                  prefix: str = "launcher.", from_cli: bool = False) -> SlurmProfile:
     """slurm/profiles/<name>.yaml (or a path to a YAML file) with the sweep file's overrides on top.
     Errors name the sweep file and key (`source`, `prefix`), the profile file, or `--profile` (from_cli)."""
-    import yaml
-    from bench.sweep.spec import SweepError, suggest
     path = Path(name) if str(name).endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name}.yaml"
     if not isinstance(name, str) or not path.is_file():
         known = profile_names()
         where = ("--profile", "") if from_cli else (source, f"{prefix}profile")
-        raise SweepError(*where, f"unknown slurm profile {name!r}{suggest(name, known)} "
-                                 f"(profiles in {PROFILE_DIR}: {', '.join(known) or 'none'})")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise SweepError(str(path), "", f"malformed YAML: {e}") from None
+        raise FileError(*where, f"unknown slurm profile {name!r}{suggest(name, known)} "
+                                f"(profiles in {PROFILE_DIR}: {', '.join(known) or 'none'})")
+    data = load_yaml(path) or {}
     if not isinstance(data, dict):
-        raise SweepError(str(path), "", "a profile is a mapping of keys: " + ", ".join(PROFILE_KEYS))
-    values = {}
-    for where, block in ((str(path), data), (source, overrides or {})):
-        for key, value in block.items():
-            keypath = key if where == str(path) else f"{prefix}{key}"
-            if key not in PROFILE_KEYS:
-                raise SweepError(where, keypath, f"unknown slurm profile key{suggest(key, PROFILE_KEYS)} "
-                                                 f"(known: {', '.join(PROFILE_KEYS)})")
-            kind = _TYPES[str(SlurmProfile.__dataclass_fields__[key].type)]
-            if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, (int, type(None)))):
-                raise SweepError(where, keypath, f"{key} has the wrong type: got {value!r}")
-            if isinstance(value, int) and not isinstance(value, bool) and value < 0:
-                raise SweepError(where, keypath, f"{key} must be ≥ 0, got {value}")
-            values[key] = tuple(value) if isinstance(value, list) else value
-    for key in ("ranks_per_node", "max_parallel", "nodes"):
-        if values.get(key) == 0:
-            raise SweepError(source, f"{prefix}{key}", f"{key} must be ≥ 1")
-    return SlurmProfile(name=path.stem, **values)
+        raise FileError(str(path), "", "a profile is a mapping of keys: " + ", ".join(PROFILE_KEYS))
+    profile = _profile(path.stem, data, str(path), "")  # the file alone first: its own mistakes name it
+    return _profile(path.stem, {**data, **overrides}, source, prefix) if overrides else profile
+
+
+def _profile(name: str, values: dict, source: str, prefix: str) -> SlurmProfile:
+    unknown = known_keys("slurm profile key", PROFILE_KEYS)
+    if "name" in values:  # the file's name is the profile's name
+        raise FileError(source, f"{prefix}name", unknown(("name",)))
+    try:
+        return SlurmProfile(name=name, **{str(k): v for k, v in values.items()})
+    except pydantic.ValidationError as e:
+        raise file_error(e, source, prefix, unknown, values) from None
 
 
 def slurm_task(cfg_dict: dict, store: ResultStore, submitted: float) -> dict | None:

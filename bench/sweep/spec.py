@@ -21,6 +21,10 @@ A sweep file (loaded with `yaml.safe_load`; every key is optional except `grid`)
     launcher: local                  # local | debug | slurm | {kind: slurm, profile: local, nodes: 2, ...}
     report: true                     # write the HTML/Markdown report to OUT/report/ after the sweep
 
+The file is read into pydantic v2 models (`SweepFile` below) whose value types are built from
+RunConfig's and GPTConfig's own fields, so a new RunConfig field is a sweep key with no edit here;
+pydantic because its errors carry the key path, its strict types refuse '8' for an integer, and
+DeepSpeed already depends on it (bench/typed_yaml.py turns its errors into our one line).
 Any mistake in the file is a `SweepError` naming the file, the key path and the fix; nothing is
 launched. A combination that the file describes correctly but that cannot run (tp does not divide
 the heads, a backend without pipeline support, …) is not an error: it becomes a `skipped` row whose
@@ -28,16 +32,21 @@ the heads, a backend without pipeline support, …) is not an error: it becomes 
 """
 from __future__ import annotations
 
-import difflib
 import itertools
 import json
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
 
-from bench.config import BACKENDS, ConfigError, RunConfig
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, WrapValidator,
+                      create_model, field_validator, model_validator)
+
+from bench.config import BACKENDS, ConfigError, RunConfig, field_types
+from bench.config import model_config as resolve_model  # `model_config` is pydantic's name for a model's settings
 from bench.results import skipped_row
-from models.config import GPTConfig
+from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
+from models.config import PRESETS, GPTConfig
 
 TOP_KEYS = ("name", "model", "world_size", "base", "grid", "zip", "backends", "deepspeed", "exclude", "repeats",
             "launcher", "report")
@@ -49,17 +58,8 @@ NOT_SETTABLE = {"repeat": "use the top-level key `repeats: K` instead",
 MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig) if f.name != "name")
 
 
-class SweepError(ConfigError):
-    """A sweep file the user must fix: '<file>: <key path>: <problem>'."""
-
-    def __init__(self, source: str, path: str, problem: str):
-        self.source, self.path, self.problem = source, path, problem
-        super().__init__(f"{source}: {path}: {problem}" if path else f"{source}: {problem}")
-
-
-def suggest(name: str, known) -> str:
-    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+SweepError = FileError
+"""A sweep file the user must fix: '<file>: <key path>: <problem>'."""
 
 
 @dataclass(frozen=True)
@@ -98,220 +98,318 @@ class Expansion:
     duplicates: int = 0
 
 
-# --- loading and validation -------------------------------------------------------------------------------
+# --- the file's schema: pydantic models built from RunConfig and GPTConfig (bench/typed_yaml.py: why) -------
+
+STRICT = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+def _choice(name: str, choices: tuple) -> AfterValidator:
+    def check(value):
+        if value not in choices:
+            raise mistake(f"{name} {value!r} is not one of {', '.join(map(str, choices))}{suggest(value, choices)}")
+        return value
+    return AfterValidator(check)
+
+
+def _or_auto(value, handler):
+    """dp may be `auto`: world_size / (tp · pp)."""
+    if value == "auto":
+        return value
+    try:
+        return handler(value)
+    except ValidationError:
+        raise mistake(f"dp must be an integer (or auto), got {value!r} ({kind(value)})") from None
+
+
+def _as_written(value, handler):
+    """Checked as a number but kept as written: 25 stays an int (the canonical form, hence the run id,
+    prints 25, not 25.0)."""
+    handler(value)
+    return value
+
+
+def _key_values(value):
+    """A tuple field (ds_set) as a file writes it: KEY=VALUE strings in a list, one string, or a mapping."""
+    if not isinstance(value, (list, dict, str)):
+        raise mistake(f"must be a list of KEY=VALUE strings, got {value!r} ({kind(value)})")
+    return value
+
+
+def _value_type(name: str):
+    """The type of one RunConfig field's value, from the field's annotation and choices."""
+    kind_, optional = field_types()[name]
+    choices = RUN_FIELDS[name].metadata["choices"]
+    if kind_ is tuple:
+        return Annotated[Any, BeforeValidator(_key_values)]
+    value = Annotated[kind_, _choice(name, choices)] if choices else kind_
+    if kind_ is float:
+        value = Annotated[value, WrapValidator(_as_written)]
+    if name == "dp":
+        value = Annotated[value, WrapValidator(_or_auto)]
+    return Optional[value] if optional else value
+
+
+def _axis(name: str) -> BeforeValidator:
+    """An axis: a list of values, or one value (a tuple field's list is one value)."""
+    one_value = field_types()[name][0] is tuple
+
+    def as_list(value):
+        if one_value or not isinstance(value, list):
+            return [value]
+        if not value:
+            raise mistake("empty list: an axis needs at least one value")
+        return value
+    return BeforeValidator(as_list)
+
+
+class _SingleValues(BaseModel):
+    model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lists(cls, data):
+        for name, value in (data.items() if isinstance(data, dict) else ()):
+            if isinstance(value, list) and name in RUN_FIELDS and field_types()[name][0] is not tuple:
+                raise mistake(f"base values are single values; put the list {value!r} under grid.{name}", name)
+        return data
+
+
+SETTABLE = [name for name in RUN_FIELDS if name not in NOT_SETTABLE]
+# Absent fields stay unset (default None, never validated); a null the file writes is checked by the type.
+RunValues = create_model("RunValues", __base__=_SingleValues, **{n: (_value_type(n), None) for n in SETTABLE})
+RunAxes = create_model("RunAxes", __config__=STRICT,
+                       **{n: (Annotated[list[_value_type(n)], _axis(n)], None) for n in SETTABLE})
+
+
+class _ModelBase(BaseModel):
+    model_config = STRICT
+    preset: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _known_preset(self):
+        if self.preset is None:
+            raise mistake("missing: name the preset to start from, e.g. {preset: tiny, layers: 8}", "preset")
+        if self.preset not in PRESETS:
+            raise mistake(f"unknown preset {self.preset!r}{suggest(self.preset, PRESETS)} "
+                          f"(known: {', '.join(PRESETS)})", "preset")
+        try:
+            resolve_model(self.preset, _overrides(self, self.model_fields_set))
+        except ConfigError as e:  # the model's own invariants, e.g. hidden divisible by heads
+            raise mistake(str(e)) from None
+        return self
+
+
+ModelBlock = create_model("ModelBlock", __base__=_ModelBase,
+                          **{n: (t, None) for n, t in typing.get_type_hints(GPTConfig).items() if n != "name"})
+
+
+def _overrides(block: BaseModel, keys) -> tuple:
+    """model_overrides in the file's key order (it is part of the run id)."""
+    return tuple(f"{k}={str(getattr(block, k)).lower() if isinstance(getattr(block, k), bool) else getattr(block, k)}"
+                 for k in keys if k != "preset")
+
+
+class LauncherBlock(BaseModel):
+    """`launcher:` a kind, or {kind: slurm, profile: NAME, KEY: VALUE…} (profile overrides, checked by slurm.py)."""
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+    kind: str = "local"
+    profile: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _options_for_slurm(self):
+        if self.kind not in LAUNCHERS:
+            raise mistake(f"unknown launcher {self.kind!r}{suggest(self.kind, LAUNCHERS)} "
+                          f"(known: {', '.join(LAUNCHERS)})", "kind")
+        extra = sorted({*self.model_extra, *({"profile"} & self.model_fields_set)})
+        if self.kind != "slurm" and extra:
+            raise mistake(f"only the slurm launcher takes options; launcher {self.kind} takes none", extra[0])
+        return self
+
+
+class SweepFile(BaseModel):
+    """The keys of a sweep file (the module docstring shows each)."""
+    model_config = STRICT
+    name: Optional[str] = None
+    model: ModelBlock = ModelBlock(preset="tiny")
+    world_size: Optional[list[int]] = None
+    base: RunValues = RunValues()
+    grid: Optional[RunAxes] = None
+    zip: list[RunAxes] = []
+    backends: dict[str, RunAxes] = {}
+    deepspeed: dict = {}
+    exclude: list[RunAxes] = []
+    repeats: int = 1
+    launcher: LauncherBlock = LauncherBlock()
+    report: bool = False
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name(cls, value):
+        if not isinstance(value, str) or not value or "/" in value:
+            raise mistake(f"must be a non-empty string without '/', got {value!r}")
+        return value
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _preset_name(cls, value):
+        if isinstance(value, str):
+            return {"preset": value}
+        if not isinstance(value, dict):
+            raise mistake(f"must be a preset name or a mapping {{preset: NAME, KEY: VALUE}}, got {kind(value)}")
+        return value
+
+    @field_validator("world_size", mode="before")
+    @classmethod
+    def _world_sizes(cls, value):
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(type(v) is int and v >= 1 for v in values):
+            raise mistake(f"must be a positive integer or a non-empty list of them, got {value!r}")
+        return values
+
+    @field_validator("base", mode="before")
+    @classmethod
+    def _base(cls, value):
+        return {} if value is None else value
+
+    @field_validator("grid", mode="before")
+    @classmethod
+    def _grid(cls, value):
+        if value is None:
+            raise mistake(MISSING_GRID)
+        if not isinstance(value, dict) or not value:
+            raise mistake(f"must be a non-empty mapping of axes (field: [values]), got {value!r}")
+        return value
+
+    @field_validator("zip", mode="before")
+    @classmethod
+    def _zip_groups(cls, groups):
+        if not isinstance(groups, list):
+            raise mistake(f"must be a list of groups like {{micro_batch: [1, 2], micro_batches: [8, 4]}}, "
+                          f"got {kind(groups)}")
+        for i, group in enumerate(groups):
+            if not isinstance(group, dict) or len(group) < 2:
+                raise mistake("a zip group is a mapping of at least two axes whose lists move together", i)
+            for name, values in group.items():
+                if not isinstance(values, list):
+                    raise mistake(f"must be a list, got {kind(values)}", i, name)
+            lengths = {name: len(values) for name, values in group.items()}
+            if len(set(lengths.values())) > 1:
+                raise mistake(f"lists must have equal lengths, got {lengths}", i)
+        return groups
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _backend_names(cls, block):
+        if not isinstance(block, dict):
+            raise mistake(f"must be a mapping backend → options, got {kind(block)}")
+        for backend, options in block.items():
+            if backend not in BACKENDS:
+                raise mistake(f"unknown backend{suggest(backend, BACKENDS)} (known: {', '.join(BACKENDS)})", backend)
+            if isinstance(options, dict) and "backend" in options:
+                raise mistake("the backend is the block's name; remove this key", backend, "backend")
+        return block
+
+    @field_validator("exclude", mode="before")
+    @classmethod
+    def _rules(cls, rules):
+        if not isinstance(rules, list):
+            raise mistake(f"must be a list of rules like {{backend: ddp, tp: 2}}, got {kind(rules)}")
+        for i, rule in enumerate(rules):
+            if not isinstance(rule, dict) or not rule:
+                raise mistake(f"a rule is a non-empty mapping field: value(s), got {rule!r}", i)
+        return rules
+
+    @field_validator("repeats", mode="before")
+    @classmethod
+    def _repeats(cls, value):
+        if type(value) is not int or value < 1:
+            raise mistake(f"must be a positive integer, got {value!r}")
+        return value
+
+    @field_validator("launcher", mode="before")
+    @classmethod
+    def _launcher_kind(cls, value):
+        if isinstance(value, str):
+            return {"kind": value}
+        if not isinstance(value, dict):
+            raise mistake(f"must be local, debug, slurm or a mapping {{kind: slurm, profile: NAME}}, got {kind(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.grid is None:
+            raise mistake(MISSING_GRID, "grid")
+        seen = {name: "grid" for name in self.grid.model_fields_set}
+        for i, group in enumerate(self.zip):
+            for name in group.model_fields_set:
+                if name in seen:
+                    raise mistake(f"{name} is already an axis in {seen[name]}; give it once", "zip", i, name)
+                seen[name] = f"zip[{i}]"
+        for name in self.base.model_fields_set:
+            if name in seen:
+                raise mistake(f"{name} is also an axis in {seen[name]}; remove one of them", "base", name)
+        auto_in = "grid" if self.grid.dp == ["auto"] else "base" if self.base.dp == "auto" else None
+        if auto_in and self.world_size is None and "world_size" not in self.grid.model_fields_set:
+            raise mistake("dp: auto needs a world size: add a top-level `world_size: N`", auto_in, "dp")
+        return self
+
+
+MISSING_GRID = "missing: a sweep needs a grid with at least one axis, e.g. grid: {tp: [1, 2]}"
+
+
+def _unknown_key(loc: tuple) -> str:
+    key = loc[-1]
+    if len(loc) == 1:
+        return f"unknown key{suggest(key, TOP_KEYS)} (known: {', '.join(TOP_KEYS)})"
+    if loc[0] == "model":
+        return f"unknown model field{suggest(key, MODEL_FIELDS)} (known: {', '.join(MODEL_FIELDS)})"
+    if key in NOT_SETTABLE:
+        return f"{key} cannot be set here: {NOT_SETTABLE[key]}"
+    return f"unknown run config field{suggest(key, RUN_FIELDS)} (`bench run --help` lists them)"
+
+
+# --- loading ------------------------------------------------------------------------------------------------
 
 
 def load_sweep(path: str | Path) -> SweepSpec:
     path = Path(path)
-    source = str(path)
     if not path.is_file():
-        raise SweepError(source, "", "no such sweep file")
-    import yaml
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise SweepError(source, "", f"malformed YAML: {where}{getattr(e, 'problem', None) or e}") from None
-    return parse_sweep(data, source, default_name=path.stem)
+        raise SweepError(str(path), "", "no such sweep file")
+    return parse_sweep(load_yaml(path), str(path), default_name=path.stem)
 
 
 def parse_sweep(data: Any, source: str = "<sweep>", default_name: str = "sweep") -> SweepSpec:
-    err = lambda key, problem: SweepError(source, key, problem)  # noqa: E731
     if not isinstance(data, dict):
-        raise err("", f"the file must be a mapping of keys ({', '.join(TOP_KEYS)}), got {_kind(data)}")
-    for key in data:
-        if key not in TOP_KEYS:
-            raise err(str(key), f"unknown key{suggest(key, TOP_KEYS)} (known: {', '.join(TOP_KEYS)})")
-    name = data.get("name", default_name)
-    if not isinstance(name, str) or not name or "/" in name:
-        raise err("name", f"must be a non-empty string without '/', got {name!r}")
-    model, overrides = _parse_model(data.get("model", "tiny"), err)
-    world_sizes = _parse_world_size(data.get("world_size"), err)
-    base = _parse_fields(data.get("base", {}), "base", err, allow_lists=False)
-    grid = _parse_grid(data.get("grid"), err)
-    zips = _parse_zips(data.get("zip", []), err)
-    _no_overlap(base, grid, zips, err)
-    backends = _parse_backends(data.get("backends", {}), err)
-    ds_set = _parse_deepspeed(data.get("deepspeed", {}), err)
-    exclude = _parse_exclude(data.get("exclude", []), err)
-    repeats = data.get("repeats", 1)
-    if not _is_int(repeats) or repeats < 1:
-        raise err("repeats", f"must be a positive integer, got {repeats!r}")
-    launcher = _parse_launcher(data.get("launcher", "local"), err, source)
-    report = data.get("report", False)
-    if not isinstance(report, bool):
-        raise err("report", f"must be true or false, got {report!r}")
-    uses_auto = grid.get("dp") == "auto" or base.get("dp") == "auto"
-    if uses_auto and world_sizes is None and "world_size" not in grid:
-        raise err("grid.dp" if grid.get("dp") == "auto" else "base.dp",
-                  "dp: auto needs a world size: add a top-level `world_size: N`")
-    return SweepSpec(name=name, source=source, model=model, model_overrides=overrides, world_sizes=world_sizes,
-                     base=base, grid=grid, zips=zips, backends=backends, ds_set=ds_set, exclude=exclude,
-                     repeats=repeats, launcher=launcher, report=report)
-
-
-def _kind(value) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", type(None): "nothing (empty)",
-            bool: "a boolean", int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _parse_model(value, err) -> tuple[str, tuple]:
-    from models.config import PRESETS
-    if isinstance(value, str):
-        if value not in PRESETS:
-            raise err("model", f"unknown preset {value!r}{suggest(value, PRESETS)} (known: {', '.join(PRESETS)})")
-        return value, ()
-    if not isinstance(value, dict):
-        raise err("model", f"must be a preset name or a mapping {{preset: NAME, KEY: VALUE}}, got {_kind(value)}")
-    if "preset" not in value:
-        raise err("model.preset", "missing: name the preset to start from, e.g. {preset: tiny, layers: 8}")
-    preset, _ = _parse_model(value["preset"], lambda k, p: err("model.preset", p))
-    overrides = []
-    for key, v in value.items():
-        if key == "preset":
-            continue
-        if key not in MODEL_FIELDS:
-            raise err(f"model.{key}", f"unknown model field{suggest(key, MODEL_FIELDS)} "
-                                      f"(known: {', '.join(MODEL_FIELDS)})")
-        if isinstance(v, (dict, list)) or v is None:
-            raise err(f"model.{key}", f"must be a single value, got {_kind(v)}")
-        overrides.append(f"{key}={str(v).lower() if isinstance(v, bool) else v}")
+        raise SweepError(source, "", f"the file must be a mapping of keys ({', '.join(TOP_KEYS)}), got {kind(data)}")
     try:
-        from bench.config import model_config
-        model_config(preset, tuple(overrides))
-    except (ConfigError, ValueError) as e:
-        raise err("model", str(e)) from None
-    return preset, tuple(overrides)
+        file = SweepFile.model_validate(data)
+    except ValidationError as e:
+        raise file_error(e, source, unknown=_unknown_key, data=data) from None
+    launcher = file.launcher
+    options = dict(launcher.model_extra)
+    if launcher.kind == "slurm":  # the profile and the file's overrides of it
+        from bench.sweep.slurm import load_profile
+        load_profile(launcher.profile or "local", options, source=source)
+    return SweepSpec(
+        name=file.name or default_name, source=source, model=file.model.preset,
+        model_overrides=_overrides(file.model, data["model"] if isinstance(data.get("model"), dict) else ()),
+        world_sizes=tuple(file.world_size) if file.world_size else None,
+        base={k: getattr(file.base, k) for k in data.get("base") or {}},
+        grid=_axes(file.grid, data["grid"]),
+        zips=tuple(_axes(group, raw) for group, raw in zip(file.zip, data.get("zip", []))),
+        backends={b: _axes(block, data["backends"][b]) for b, block in file.backends.items()},
+        ds_set=tuple(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in _flatten(file.deepspeed)),
+        exclude=tuple({k: {_hashable(x) for x in v} if v != "auto" else {"auto"} for k, v in _axes(rule, raw).items()}
+                      for rule, raw in zip(file.exclude, data.get("exclude", []))),
+        repeats=file.repeats,
+        launcher=LauncherSpec(kind=launcher.kind, profile=(launcher.profile or "local") if launcher.kind == "slurm"
+                              else None, options=options),
+        report=file.report)
 
 
-def _parse_world_size(value, err) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    values = value if isinstance(value, list) else [value]
-    if not values or not all(_is_int(v) and v >= 1 for v in values):
-        raise err("world_size", f"must be a positive integer or a non-empty list of them, got {value!r}")
-    return tuple(values)
-
-
-def _check_value(name: str, value, key: str, err) -> None:
-    """Type and choice check of one RunConfig field value, so the message can name the key path."""
-    f = RUN_FIELDS[name]
-    type_name, choices = str(f.type), f.metadata["choices"]
-    if name == "dp" and value == "auto":
-        return
-    ok = {
-        "int": _is_int(value), "int | None": value is None or _is_int(value),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "bool": isinstance(value, bool), "str": isinstance(value, str),
-        "str | None": value is None or isinstance(value, str),
-        "tuple": isinstance(value, (list, dict, str)),
-    }.get(type_name, True)
-    if not ok:
-        want = {"int": "an integer", "int | None": "an integer", "float": "a number", "bool": "true or false",
-                "str": "a string", "str | None": "a string", "tuple": "a list of KEY=VALUE strings"}[type_name]
-        hint = " (or auto)" if name == "dp" else ""
-        raise err(key, f"{name} must be {want}{hint}, got {value!r} ({_kind(value)})")
-    if choices and value is not None and value not in choices:
-        raise err(key, f"{name} {value!r} is not one of {', '.join(map(str, choices))}"
-                       f"{suggest(value, choices)}")
-
-
-def _check_field_name(name, key: str, err) -> None:
-    if name in NOT_SETTABLE:
-        raise err(key, f"{name} cannot be set here: {NOT_SETTABLE[name]}")
-    if name not in RUN_FIELDS:
-        raise err(key, f"unknown run config field{suggest(name, RUN_FIELDS)} (`bench run --help` lists them)")
-
-
-def _parse_fields(block, where: str, err, allow_lists: bool) -> dict:
-    """A mapping of RunConfig fields; with allow_lists each value may be a list (an axis)."""
-    if block is None:
-        block = {}
-    if not isinstance(block, dict):
-        raise err(where, f"must be a mapping of run config fields, got {_kind(block)}")
-    out = {}
-    for name, value in block.items():
-        key = f"{where}.{name}"
-        _check_field_name(name, key, err)
-        if allow_lists:
-            values = value if isinstance(value, list) and RUN_FIELDS[name].type != "tuple" else [value]
-            if not values:
-                raise err(key, "empty list: an axis needs at least one value")
-            for i, v in enumerate(values):
-                _check_value(name, v, f"{key}[{i}]" if isinstance(value, list) else key, err)
-            out[name] = "auto" if (name == "dp" and value == "auto") else tuple(values)
-        else:
-            if isinstance(value, list) and RUN_FIELDS[name].type != "tuple":
-                raise err(key, f"base values are single values; put the list {value!r} under grid.{name}")
-            _check_value(name, value, key, err)
-            out[name] = value
-    return out
-
-
-def _parse_grid(grid, err) -> dict:
-    if grid is None:
-        raise err("grid", "missing: a sweep needs a grid with at least one axis, e.g. grid: {tp: [1, 2]}")
-    if not isinstance(grid, dict) or not grid:
-        raise err("grid", f"must be a non-empty mapping of axes (field: [values]), got {grid!r}")
-    return _parse_fields(grid, "grid", err, allow_lists=True)
-
-
-def _parse_zips(zips, err) -> tuple[dict, ...]:
-    if not isinstance(zips, list):
-        raise err("zip", f"must be a list of groups like {{micro_batch: [1, 2], micro_batches: [8, 4]}}, "
-                         f"got {_kind(zips)}")
-    out = []
-    for i, group in enumerate(zips):
-        where = f"zip[{i}]"
-        if not isinstance(group, dict) or len(group) < 2:
-            raise err(where, "a zip group is a mapping of at least two axes whose lists move together")
-        for name, values in group.items():
-            if not isinstance(values, list):
-                raise err(f"{where}.{name}", f"must be a list, got {_kind(values)}")
-        parsed = _parse_fields(group, where, err, allow_lists=True)
-        lengths = {name: len(v) for name, v in parsed.items()}
-        if len(set(lengths.values())) > 1:
-            raise err(where, f"lists must have equal lengths, got {lengths}")
-        out.append(parsed)
-    return tuple(out)
-
-
-def _no_overlap(base, grid, zips, err) -> None:
-    seen = {name: "grid" for name in grid}
-    for i, group in enumerate(zips):
-        for name in group:
-            if name in seen:
-                raise err(f"zip[{i}].{name}", f"{name} is already an axis in {seen[name]}; give it once")
-            seen[name] = f"zip[{i}]"
-    for name in base:
-        if name in seen:
-            raise err(f"base.{name}", f"{name} is also an axis in {seen[name]}; remove one of them")
-
-
-def _parse_backends(block, err) -> dict:
-    if not isinstance(block, dict):
-        raise err("backends", f"must be a mapping backend → options, got {_kind(block)}")
-    out = {}
-    for backend, options in block.items():
-        if backend not in BACKENDS:
-            raise err(f"backends.{backend}", f"unknown backend{suggest(backend, BACKENDS)} "
-                                             f"(known: {', '.join(BACKENDS)})")
-        parsed = _parse_fields(options, f"backends.{backend}", err, allow_lists=True)
-        if "backend" in parsed:
-            raise err(f"backends.{backend}.backend", "the backend is the block's name; remove this key")
-        out[backend] = parsed
-    return out
-
-
-def _parse_deepspeed(block, err) -> tuple:
-    if not isinstance(block, dict):
-        raise err("deepspeed", f"must be a mapping (a piece of DeepSpeed config), got {_kind(block)}")
-    return tuple(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in _flatten(block))
+def _axes(block: BaseModel, raw: dict) -> dict:
+    """Axis → tuple of values, in the file's order (the order of the expansion); `dp: auto` stays 'auto'."""
+    return {name: "auto" if name == "dp" and raw[name] == "auto" else tuple(getattr(block, name)) for name in raw}
 
 
 def _flatten(block: dict, prefix: str = ""):
@@ -320,39 +418,6 @@ def _flatten(block: dict, prefix: str = ""):
             yield from _flatten(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
-
-
-def _parse_exclude(rules, err) -> tuple[dict, ...]:
-    if not isinstance(rules, list):
-        raise err("exclude", f"must be a list of rules like {{backend: ddp, tp: 2}}, got {_kind(rules)}")
-    out = []
-    for i, rule in enumerate(rules):
-        if not isinstance(rule, dict) or not rule:
-            raise err(f"exclude[{i}]", f"a rule is a non-empty mapping field: value(s), got {rule!r}")
-        parsed = _parse_fields(rule, f"exclude[{i}]", err, allow_lists=True)
-        out.append({k: {_hashable(x) for x in v} if v != "auto" else {"auto"} for k, v in parsed.items()})
-    return tuple(out)
-
-
-def _parse_launcher(value, err, source: str) -> LauncherSpec:
-    if isinstance(value, str):
-        value = {"kind": value}
-    if not isinstance(value, dict):
-        raise err("launcher", f"must be local, debug, slurm or a mapping {{kind: slurm, profile: NAME}}, "
-                              f"got {_kind(value)}")
-    kind = value.get("kind", "local")
-    if kind not in LAUNCHERS:
-        raise err("launcher.kind", f"unknown launcher {kind!r}{suggest(kind, LAUNCHERS)} "
-                                   f"(known: {', '.join(LAUNCHERS)})")
-    options = {k: v for k, v in value.items() if k not in ("kind", "profile")}
-    if kind != "slurm" and (options or "profile" in value):
-        extra = sorted(set(value) - {"kind"})
-        raise err(f"launcher.{extra[0]}", f"only the slurm launcher takes options; launcher {kind} takes none")
-    profile = value.get("profile", "local") if kind == "slurm" else None
-    if kind == "slurm":
-        from bench.sweep.slurm import load_profile
-        load_profile(profile, options, source=source)
-    return LauncherSpec(kind=kind, profile=profile, options=options)
 
 
 # --- expansion --------------------------------------------------------------------------------------------
