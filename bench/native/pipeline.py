@@ -7,7 +7,8 @@ the embedding lives on stage 0, the final norm, head and loss on stage p·v − 
 A schedule is this rank's list of actions ("F" | "B", chunk, micro-batch); one executor runs any
 of them. The bubble meter times compute (busy) against the rest of the pipeline phase (waiting
 for a neighbour: idle) on one extra step the worker meters, never on a timed one; the ideal bubble
-is (p − 1)/(m + p − 1), divided by v when interleaved.
+is (p − 1)/(m + p − 1), interleaved (p − 1)/(v·m + p − 1) (bench.schedule simulates it; a test with
+the fault `stage_sleep:MS` checks the meter against the simulation).
 """
 from __future__ import annotations
 
