@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from bench.backends.registry import get_backend
 from bench.config import RunConfig, parse_fault
@@ -24,7 +25,7 @@ from bench.metrics.memory import PeakMemory, tensor_bytes
 from bench.metrics.sync import HostSyncCounter
 from bench.metrics.timer import StepTimer
 from bench.results import format_exception, measured_row as make_row  # noqa: F401 - the row is built there
-from bench.training import RunContext
+from bench.training import ADAMW, RunContext
 
 
 def run(cfg: RunConfig) -> dict | None:
@@ -84,9 +85,6 @@ def optimizer_faults(fault: str):
     lr_scale:K    runs the step at K × the learning rate (0: a run that does not train)
     sgd:LR        replaces the update by plain SGD, p ← p − LR · grad: unlike Adam's, scale-sensitive, so
                   θ₀ − θ₁ is the gradient the optimizer applied (tests/parity.py compares it)"""
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-    from bench.training import ADAMW
     faults, handles = parse_fault(fault), []
     if "grad_scale" in faults:
         @torch.no_grad()

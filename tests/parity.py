@@ -59,7 +59,7 @@ def gradient_mismatches(name: str, got: dict | None, ref: dict) -> list[str]:
         try:
             torch.testing.assert_close(got[pname], g, **GRAD_TOL)
         except AssertionError as e:
-            out.append(f"{name}: grad {pname}: {str(e).splitlines()[2:4]}")
+            out.append(f"{name}: grad {pname}: " + "; ".join(str(e).splitlines()[2:4]))
     return out
 
 

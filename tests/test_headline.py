@@ -12,8 +12,6 @@
 - A real allocation failure (fault `oom_real`: a rank under an address-space limit allocates 1 GiB)
   is classified `oom`, as the injected MemoryError is.
 """
-import math
-
 import pytest
 
 from bench.analysis.estimate import estimate
@@ -66,5 +64,4 @@ def test_peak_memory_of_small_is_the_predicted_activations(pools, micro_batch):
 def test_a_real_allocation_failure_is_classified_oom(pools):
     row = pools(2).run(RunConfig(model="tiny", dp=2, steps=1, warmup=0, fault="oom_real", timeout_s=120))
     assert row["status"] == "oom", (row["status"], row.get("error"))
-    assert row["failed_rank"] == 1 and "Cannot allocate memory" in row["error"]
-    assert not math.isnan(row.get("failed_rank", math.nan))
+    assert row["failed_rank"] == 1 and "Cannot allocate memory" in row["error"]  # the allocator's own ENOMEM
