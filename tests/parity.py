@@ -120,8 +120,13 @@ def _with_trainer(cfg, body, *args):
 def full_parameters(trainer, groups) -> dict | None:
     """Every parameter whole (tp shards concatenated, ZeRO/FSDP partitions gathered, stages merged),
     named as in the single-process GPT: on rank 0 only."""
+    return _whole(_local_parameters(trainer), groups)
+
+
+def _whole(named, groups) -> dict | None:
+    """(GPT name, local tensor, is a native tp shard) of every rank → every tensor whole, on rank 0."""
     local = {}
-    for name, p, tp_sharded in _local_parameters(trainer):
+    for name, p, tp_sharded in named:
         t = p.detach().contiguous()
         dim = split_dim(name)
         if tp_sharded and dim is not None and groups.size("tp") > 1:
@@ -162,10 +167,45 @@ def _deepspeed_parameters(trainer):
         with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
             named = [(n, p.detach().clone()) for n, p in named]
     for name, p in named:
-        if cfg.pp > 1:
-            rest = name.split(".", 1)[1]
-            name = f"blocks.{rest}" if rest[0].isdigit() else rest
-        yield name, p, True
+        yield _gpt_name(name, cfg), p, True
+
+
+def _gpt_name(name: str, cfg) -> str:
+    if cfg.pp == 1:
+        return name
+    rest = name.split(".", 1)[1]
+    return f"blocks.{rest}" if rest[0].isdigit() else rest
+
+
+# --- DeepSpeed: its own view of the reduced gradient ---------------------------------------------------
+def deepspeed_gradients(pool, cfgs: list, timeout_s: float = 600) -> list[dict]:
+    """DeepSpeed configs: every parameter's gradient as DeepSpeed hands it to its optimizer step — read
+    with `deepspeed.utils.safe_get_full_grad` (ZeRO 0-3, its pipeline: after the reduction, partitions
+    gathered) when its ZeRO optimizer's step begins — reassembled whole on rank 0."""
+    grads = pool.call(_ds_grads_on_rank, [c.to_dict() for c in cfgs], timeout_s=timeout_s)[0]
+    return [{k: torch.from_numpy(v) for k, v in g.items()} for g in grads]
+
+
+def _ds_grads_on_rank(cfg_dicts: list[dict]) -> list[dict] | None:
+    from bench.config import RunConfig
+    with _default_group():
+        results = [_with_trainer(RunConfig.from_dict(c), _ds_grads_at_step) for c in cfg_dicts]
+    return results if results[0] is not None else None
+
+
+def _ds_grads_at_step(cfg, trainer, groups) -> dict | None:
+    from deepspeed.utils import safe_get_full_grad
+    named, opt = list(trainer.engine.module.named_parameters()), trainer.engine.optimizer
+    seen: list = []
+    step = opt.step
+
+    def read_then_step(*args, **kwargs):  # the optimizer boundary: gradients reduced, not yet applied
+        seen.extend((_gpt_name(n, cfg), safe_get_full_grad(p).detach().clone(), True) for n, p in named)
+        return step(*args, **kwargs)
+    opt.step = read_then_step
+    trainer.train(trainer.batch(0))
+    grads = _whole(seen, groups)
+    return grads and {k: v.numpy() for k, v in grads.items()}
 
 
 def _merge_on_rank0(local: dict, groups) -> dict | None:

@@ -8,6 +8,9 @@ step hooks that every backend goes through, DeepSpeed's client optimizer include
 partitioning, reassembled whole on rank 0 (tests/parity.py) — must equal the single-process step-1
 gradient under the native tests' assert_close(rtol=1e-4, atol=1e-6).
 
+DeepSpeed also exposes its reduced gradient: `deepspeed.utils.safe_get_full_grad` at its optimizer
+boundary (ZeRO-1/2 partitions and ZeRO-3 shards gathered) must equal the same reference gradient.
+
 The planted bug: `grad_scale:2` doubles every gradient right before the optimizer step, as summing
 instead of averaging over dp = 2 replicas would; every backend's check must then fail.
 All configs of one world size run in one pool call (tiny model, global batch 4, fp32, one step); the
@@ -16,7 +19,7 @@ All configs of one world size run in one pool call (tiny model, global batch 4, 
 import pytest
 
 from bench.config import RunConfig
-from parity import applied_gradients, gradient_mismatches, reference
+from parity import applied_gradients, deepspeed_gradients, gradient_mismatches, reference
 
 RUN = dict(model="tiny", steps=1, warmup=0)
 PLANT = "grad_scale:2"
@@ -81,6 +84,20 @@ def applied(pools):
 
 
 @pytest.fixture(scope="module")
+def ds_grads(pools):
+    """world → {name: DeepSpeed's own full gradients} for its DeepSpeed layouts, one pool call per world."""
+    cache = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            names = [n for n in LAYOUTS[world] if n.startswith("ds_")]
+            grads = deepspeed_gradients(pools(world), [config(n, world) for n in names], timeout_s=900)
+            cache[world] = dict(zip(names, grads))
+        return cache[world]
+    return get
+
+
+@pytest.fixture(scope="module")
 def ref_grads():
     return reference(config("ddp", 2), steps=1)["grads"]  # global batch 4, seq, seed: the same for all
 
@@ -90,6 +107,13 @@ def ref_grads():
 def test_applied_gradient_equals_the_reference(applied, ref_grads, world, name):
     assert config(name, world).global_batch == 4
     failures = gradient_mismatches(name, applied(world)[name, "none"], ref_grads)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world,name", [pytest.param(w, n, marks=[pytest.mark.slow] if w == 8 else [])
+                                        for w in LAYOUTS for n in LAYOUTS[w] if n.startswith("ds_")])
+def test_deepspeed_reduced_gradient_equals_the_reference(ds_grads, ref_grads, world, name):
+    failures = gradient_mismatches(name, ds_grads(world)[name], ref_grads)
     assert not failures, "\n".join(failures)
 
 
