@@ -11,6 +11,8 @@ SGD (the test-only fault `sgd:LR`, bench.worker.optimizer_faults) from the refer
 which (θ₀ − θ₁)/LR is exactly the gradient the optimizer received — after tp, pp and dp reduction and
 ZeRO/FSDP partitioning — reassembled whole from every rank's parameters. Unlike a loss after Adam
 steps (Adam is invariant to a constant gradient scale) it sees a gradient off by any factor.
+`deepspeed_gradients(pool, cfgs)`: DeepSpeed's own reduced gradient (`safe_get_full_grad`) at its
+optimizer boundary, reassembled the same way.
 """
 from __future__ import annotations
 
