@@ -121,7 +121,9 @@ class RunConfig(BatchShape):
     world_size: int | None = _f(None, "expected world size; must equal tp × pp × dp when given",
                                 bounds=POSITIVE(MAX_RANKS))
     repeat: int = _f(0, "repeat index of the same config (noise estimation)", bounds=NON_NEGATIVE(10_000))
-    fault: str = _f("none", "test-only fault injection: raise | hang | oom on the last rank, or sleep:MS per step")
+    fault: str = _f("none", "test-only fault injection, comma-separated: raise | hang | oom | oom_real on the "
+                            "last rank; sleep:MS per step; stage_sleep:MS per pipeline compute section (native); "
+                            "grad_scale:K, lr_scale:K, sgd:LR at every optimizer step")
     timeout_s: float = _f(600.0, "wall-clock limit of the run in seconds", in_id=False,
                           bounds=(0, MAX_TIMEOUT_S, True))
 
@@ -304,18 +306,43 @@ def field_reason(name: str, value) -> str | None:
     return check_number(name, value, field_types()[name][0] is int, bounds)
 
 
+# Test-only faults: name → whether it takes a number (`sleep:400`). See bench.worker for what each does.
+FAULTS = {"raise": False, "hang": False, "oom": False, "oom_real": False, "sleep": True, "stage_sleep": True,
+          "grad_scale": True, "lr_scale": True, "sgd": True}
+FAULT_LIMIT = 3_600_000
+"""No fault number may exceed this (an hour in milliseconds for the sleeps; far above any sane scale)."""
+
+
+def parse_fault(fault: str) -> dict[str, float | None]:
+    """`"sgd:1,grad_scale:2"` → {"sgd": 1.0, "grad_scale": 2.0}; "none" → {}. Raises ConfigError."""
+    if fault == "none":
+        return {}
+    if not isinstance(fault, str):
+        raise ConfigError(f"fault is {fault!r}; choose none or a comma-separated list of test-only faults")
+    out: dict[str, float | None] = {}
+    for part in fault.split(","):
+        name, _, number = part.strip().partition(":")
+        if name not in FAULTS or FAULTS[name] != bool(number):
+            usage = ", ".join(f"{k}:X" if v else k for k, v in FAULTS.items())
+            raise ConfigError(f"fault is {fault!r}; choose none or a comma-separated list of {usage}")
+        try:
+            value = float(number) if number else None
+        except ValueError:
+            raise ConfigError(f"fault {part!r}: {number!r} is not a number (e.g. sleep:50)") from None
+        reason = value is not None and check_number(name, value, False, (0, FAULT_LIMIT, False))
+        if reason:
+            raise ConfigError(f"fault {part!r}: {reason}")
+        out[name] = value
+    return out
+
+
 def fault_reason(fault) -> str | None:
-    """sleep:MS needs MS a finite number of milliseconds ≥ 0 (up to an hour); other faults by name."""
-    if fault in ("none", "raise", "hang", "oom"):
-        return None
-    if not isinstance(fault, str) or not fault.startswith("sleep:"):
-        return f"fault is {fault!r}; choose none, raise, hang, oom or sleep:MS"
+    """Why `fault` is not a valid test-only fault list, or None."""
     try:
-        ms = float(fault.split(":", 1)[1])
-    except ValueError:
-        return f"fault {fault!r}: MS in sleep:MS must be a number of milliseconds, e.g. sleep:50"
-    reason = check_number("MS", ms, False, (0, 3_600_000, False))
-    return f"fault {fault!r}: {reason}" if reason else None
+        parse_fault(fault)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def structural_reason(shape) -> str | None:

@@ -51,6 +51,18 @@ def test_missing_values_are_no_data_not_a_verdict():
     assert judge([], [1.0], exact=True).verdict == "no data"
 
 
+def test_fp32_loss_is_gated_exactly_mixed_precision_loss_is_not():
+    """fp32 losses are deterministic here: a change beyond 1e-6 relative (a learning rate 1 % off moves
+    the 3-step loss by ~5e-5) fails the gate; bf16 runs (CUDA atomics, autocast) are not gated on loss."""
+    def rows(loss, dtype="fp32"):
+        return pd.DataFrame([{"run_id": "a", "config_id": "a", "status": "ok", "backend": "native", "tp": 1,
+                              "pp": 1, "dp": 1, "dtype": dtype, "loss_first": 5.5, "loss_last": loss}])
+    verdicts = lambda b, c: {r["metric"]: r["verdict"] for r in compare(b, c).rows}  # noqa: E731
+    assert verdicts(rows(5.476713), rows(5.476713 * (1 + 5e-7)))["loss_last"] == "equal"
+    assert verdicts(rows(5.476713), rows(5.476713 * (1 + 5e-5)))["loss_last"] == "changed"
+    assert "loss_last" not in verdicts(rows(5.47, "bf16-mixed"), rows(5.48, "bf16-mixed"))
+
+
 def test_new_missing_and_failed_configs():
     rows = lambda ids, status="ok": pd.DataFrame(  # noqa: E731
         [{"run_id": i, "config_id": i, "status": status, "backend": "native", "tp": 1, "pp": 1, "dp": 1,

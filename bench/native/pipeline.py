@@ -7,7 +7,8 @@ the embedding lives on stage 0, the final norm, head and loss on stage p·v − 
 A schedule is this rank's list of actions ("F" | "B", chunk, micro-batch); one executor runs any
 of them. The bubble meter times compute (busy) against the rest of the pipeline phase (waiting
 for a neighbour: idle) on one extra step the worker meters, never on a timed one; the ideal bubble
-is (p − 1)/(m + p − 1), divided by v when interleaved.
+is (p − 1)/(m + p − 1), interleaved (p − 1)/(v·m + p − 1) (bench.schedule simulates it; a test with
+the fault `stage_sleep:MS` checks the meter against the simulation).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
+from bench.config import parse_fault
 from bench.native.pipeline_comm import PipeComm
 from bench.native.tensor import vocab_parallel_cross_entropy
 from bench.schedule import rank_chunks, schedule
@@ -103,6 +105,12 @@ class Pipeline:
         seq = run_cfg.seq // (groups.size("tp") if run_cfg.sequence_parallel else 1)
         self.act_shape = (run_cfg.micro_batch, seq, run_cfg.model_config.hidden)
         self.act_dtype = autocast_dtype or torch.float32
+        # test-only (fault stage_sleep:MS): every compute section also sleeps, so stage compute dominates
+        self.stage_sleep_s = (parse_fault(run_cfg.fault).get("stage_sleep") or 0.0) / 1e3
+
+    def _test_delay(self) -> None:
+        if self.stage_sleep_s:
+            time.sleep(self.stage_sleep_s)
 
     def _sid(self, chunk: int) -> int:
         return self.sids[chunk]
@@ -144,6 +152,7 @@ class Pipeline:
                 out = out / self.cfg.micro_batches
             else:
                 out = out.to(self.act_dtype)  # (b, s[/tp], h): what travels to the next stage
+            self._test_delay()
         if sid == self.last_sid:
             losses.append(out.detach())
         else:
@@ -158,6 +167,7 @@ class Pipeline:
             grad = self.comm.recv_backward(out.shape, out.dtype, self.device, chunk)
         with self.meter.compute():
             torch.autograd.backward(out, grad)
+            self._test_delay()
         if sid != 0:
             self.comm.send_backward(x.grad, self._prev_chunk(chunk))
 
