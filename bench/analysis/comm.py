@@ -31,6 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from bench.analysis.memory import block_params_local, precision
+from bench.analysis.params import deepspeed_settings, deepspeed_zero3_split, zero3_padded
 from bench.results import comm_column, comm_columns, comm_op_column
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
@@ -95,9 +96,8 @@ def tp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         return [Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"),
                 Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)")]
     out = []
-    if cfg.backend == "deepspeed" and cfg.zero:  # ZeRO's overflow / gradient-norm check also reduces over
-        # model parallel (ZeRO-0 has none: measured 21 tp ops, not 22, for tiny at tp 2)
-        out.append(Traffic("tp", "all_reduce", FP32, 1, t, "gradient-norm scalar", "step"))
+    if cfg.backend == "deepspeed":
+        out += _deepspeed_tp(plan, stage)
     if not cfg.sequence_parallel:
         out.append(Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"))
         out.append(Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)"))
@@ -133,6 +133,8 @@ def pp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     mine = plan.ranks[stage].chunks
     fwd = sum(1 for c in mine if c < plan.n_chunks - 1)
     bwd = sum(1 for c in mine if c > 0)
+    if cfg.backend == "deepspeed":
+        return _deepspeed_pp(plan, msg, fwd, bwd)
     mb, out = cfg.micro_batches, []
     if fwd:
         out.append(Traffic("pp", "send", msg, fwd * mb, 2, "activations to next stage"))
@@ -140,11 +142,6 @@ def pp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         out.append(Traffic("pp", "send", msg, bwd * mb, 2, "grads to previous stage"))
     # the counter sees each receive as an op of 0 bytes
     out.append(Traffic("pp", "recv", 0, (fwd + bwd) * mb, 2, "receives (counted as ops)"))
-    if cfg.backend == "deepspeed":  # its pipeline engine's bookkeeping, as measured: loss, and with a ZeRO
-        # optimizer (stage ≥ 1) its overflow flag (ZeRO-0: 5 pp ops measured for tiny at pp 2, not 6)
-        if cfg.zero:
-            out.append(Traffic("pp", "all_reduce", FP32, 1, cfg.pp, "overflow check", "step"))
-        out.append(Traffic("pp", "broadcast", 2 * FP32, 1, cfg.pp, "loss from the last stage", "step"))
     return out
 
 
@@ -184,32 +181,95 @@ def dp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
             Traffic("dp", "reduce_scatter", grads, mb, cfg.dp, "gradients")]
 
 
-DS_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
-
-
 def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
-    """DeepSpeed ZeRO-3: parameters below the persistence threshold stay whole on every rank and
-    are all-gathered one by one after the optimizer step; the others are gathered for forward and
-    again for backward every micro-batch; gradients reduce-scattered every micro-batch; an 8-byte
-    overflow check. (Verified on the tiny model, whose parameters are all persistent.)"""
-    cfg, threshold = plan.cfg, DS_PERSISTENCE_THRESHOLD
-    for entry in getattr(cfg, "ds_set", ()):
-        key, _, value = entry.partition("=")
-        if key.strip() == "zero_optimization.stage3_param_persistence_threshold":
-            threshold = float(value)
-    params = plan.param_sizes(stage)
-    kept = [n for n in params if n < threshold]
-    parted = sum(params) - sum(kept)
-    mb, out = cfg.micro_batches, []
-    if kept:
+    """DeepSpeed ZeRO-3 (`deepspeed_zero3_split` says which parameters stay whole)."""
+    cfg, mb = plan.cfg, plan.cfg.micro_batches
+    kept, parted = deepspeed_zero3_split(plan, stage)
+    ds = deepspeed_settings(cfg)
+    out = []
+    if kept:  # persistent parameters: whole on every rank, re-gathered one by one after the step
         out.append(Traffic("dp", "all_gather", sum(kept) * param_b / len(kept), len(kept), cfg.dp,
                            "persistent parameters", "step"))
-    if parted:  # gathered module by module: one group per block (+ the rest)
-        groups = plan.ranks[stage].layers + 1
-        out.append(Traffic("dp", "all_gather", parted * param_b / groups, 2 * mb * groups, cfg.dp,
-                           "partitioned parameters"))
-    out += [Traffic("dp", "reduce_scatter", sum(params) * grad_b, mb, cfg.dp, "gradients"),
+    if parted:
+        # The root module owns no parameter, so its fetch gathers nothing and prefetches the traced
+        # parameters up to the prefetch bucket in one coalesced all-gather (output: the padded full
+        # tensors); with max_reuse_distance at its default (1e9) nothing is released before the
+        # micro-batch ends, so backward gathers nothing again. Bigger than one bucket: one
+        # all-gather per bucket (DeepSpeed fills buckets by whole parameters, so this is a floor).
+        gathered = sum(zero3_padded(n, cfg.dp) for n in parted)
+        per_mb = _buckets(gathered, ds["stage3_prefetch_bucket_size"])
+        out.append(Traffic("dp", "all_gather", gathered * param_b / per_mb, per_mb * mb, cfg.dp,
+                           "partitioned parameters (prefetched)"))
+    # every gradient, persistent or not, is reduce-scattered at the end of each micro-batch's
+    # backward, in reduce buckets (one when the stage fits)
+    grads = sum(zero3_padded(n, cfg.dp) for n in (*kept, *parted))
+    per_mb = _buckets(grads, ds["reduce_bucket_size"])
+    out += [Traffic("dp", "reduce_scatter", grads * grad_b / per_mb, per_mb * mb, cfg.dp, "gradients"),
+            # the overflow / gradient-norm check: one fp64 scalar
             Traffic("dp", "all_reduce", 2 * FP32, 1, cfg.dp, "overflow check", "step")]
+    return out
+
+
+def _buckets(numel: float, bucket: float) -> int:
+    return max(1, -(-int(numel) // int(bucket)))
+
+
+def _deepspeed_tp(plan, stage: int) -> list[Traffic]:
+    """What DeepSpeed adds on tp. Its ZeRO optimizer (stage ≥ 1) reduces the gradient norm and the
+    overflow flag over the model-parallel group, which is tp only without a pipeline (with one it is
+    tp × pp, a group of neither dimension); ZeRO-3's norm is fp64. The pipeline engine splits the
+    activation (and gradient) it sends over tp (`pipe_partitioned`, `grad_partitioned`) and
+    all-gathers the parts where it needs the whole tensor: a stage that receives activations (not
+    the first) once per micro-batch, a stage that sends them (not the last) to restore its output
+    for backward and, with partitioned gradients, to rebuild the gradient it received."""
+    cfg, rank = plan.cfg, plan.ranks[stage]
+    t, mb, out = cfg.tp, cfg.micro_batches, []
+    if cfg.zero and cfg.pp == 1:
+        out.append(Traffic("tp", "all_reduce", 2 * FP32 if cfg.zero == 3 else FP32, 1, t,
+                           "gradient-norm scalar", "step"))
+    ds = deepspeed_settings(cfg)
+    if cfg.pp > 1 and ds["pipe_partitioned"]:
+        x = cfg.micro_batch * cfg.seq * cfg.model_config.hidden * precision(cfg.dtype).comm_pp
+        gathers = (not rank.first) + (not rank.last) * (1 + ds["grad_partitioned"])
+        if gathers:
+            out += _partitioned_full(x, gathers * mb, t)
+    return out
+
+
+def _partitioned_full(x: float, times: int, t: int) -> list[Traffic]:
+    """PartitionedTensor.full(): one all-gather when the tensor splits evenly over tp, else one
+    broadcast per part (the parts together are the tensor)."""
+    if x % t == 0:
+        return [Traffic("tp", "all_gather", x, times, t, "pipeline tensor from its tp parts")]
+    return [Traffic("tp", "broadcast", x / t, times * t, t, "pipeline tensor from its tp parts")]
+
+
+def _deepspeed_pp(plan, msg: float, fwd: int, bwd: int) -> list[Traffic]:
+    """DeepSpeed's PipelineEngine. With tp > 1 and `pipe_partitioned` (default) each activation goes
+    as two messages: the PartitionedTensor meta (int64: ndim, shape, parts, rank, t + 1 offsets) and
+    this rank's 1/t part; gradients the same with `grad_partitioned`. Per step: the loss broadcast
+    from the last stage (2 fp32: this dp group's and the dp mean), and with a ZeRO optimizer the
+    overflow flag over the model-parallel group, which is pp only when tp = 1."""
+    cfg, mb, t = plan.cfg, plan.cfg.micro_batches, plan.cfg.tp
+    ds = deepspeed_settings(cfg)
+    meta = 8 * (3 + 3 + t + 1)  # activations are (micro_batch, seq, hidden)
+    split_act = t > 1 and ds["pipe_partitioned"]
+    split_grad = split_act and ds["grad_partitioned"]
+    out = []
+    for n, split, what in ((fwd, split_act, "activations to next stage"), (bwd, split_grad, "grads to previous stage")):
+        if not n:
+            continue
+        if split:
+            out += [Traffic("pp", "send", meta, n * mb, 2, f"{what}: partition meta"),
+                    Traffic("pp", "send", msg / t, n * mb, 2, f"{what}: this rank's 1/t part")]
+        else:
+            out.append(Traffic("pp", "send", msg, n * mb, 2, what))
+    # one receive per message: a stage that sends activations receives gradients, and vice versa
+    recvs = fwd * mb * (1 + split_grad) + bwd * mb * (1 + split_act)
+    out.append(Traffic("pp", "recv", 0, recvs, 2, "receives (counted as ops)"))
+    if cfg.zero and t == 1:
+        out.append(Traffic("pp", "all_reduce", FP32, 1, cfg.pp, "overflow check", "step"))
+    out.append(Traffic("pp", "broadcast", 2 * FP32, 1, cfg.pp, "loss from the last stage", "step"))
     return out
 
 

@@ -131,3 +131,38 @@ def fsdp_group_sizes(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage:
     """(kind, padded element count) of every FSDP2 group of a stage, sharded `shard` ways."""
     return tuple((kind, sum(padded_numel(s, shard) for _, s, _ in ps))
                  for kind, ps in fsdp_groups(m, tp, pp, virtual_stages, stage))
+
+
+# --- DeepSpeed's view of the parameters -----------------------------------------------------------
+@lru_cache(maxsize=4096)
+def deepspeed_settings(cfg) -> dict:
+    """The knobs of the DeepSpeed config the run gets (generated, then `ds_set`) that shape traffic
+    and state: persistence threshold, bucket sizes (elements), pipeline partitioning. Defaults are
+    DeepSpeed 0.19's."""
+    from bench.backends.deepspeed_config import final_config  # pure: yaml only
+    config = final_config(cfg)
+    zero, pipe = config.get("zero_optimization", {}), config.get("pipeline", {})
+    return {"stage3_param_persistence_threshold": zero.get("stage3_param_persistence_threshold", 100_000),
+            "stage3_prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size", 50_000_000),
+            "reduce_bucket_size": zero.get("reduce_bucket_size", 500_000_000),
+            "pipe_partitioned": pipe.get("pipe_partitioned", True),
+            "grad_partitioned": pipe.get("grad_partitioned", True)}
+
+
+def deepspeed_zero3_split(plan, stage: int) -> tuple[list[int], list[int]]:
+    """(element counts of the persistent parameters, of the partitioned ones) of a rank: DeepSpeed
+    keeps a parameter whole on every rank when numel ≤ stage3_param_persistence_threshold."""
+    threshold = deepspeed_settings(plan.cfg)["stage3_param_persistence_threshold"]
+    params = plan.param_sizes(stage)
+    return [n for n in params if n <= threshold], [n for n in params if n > threshold]
+
+
+def zero3_padded(numel: int, dp: int) -> int:
+    """ZeRO-3 pads every parameter to a multiple of dp before it partitions it (ceil(numel/dp) each)."""
+    return -(-numel // dp) * dp
+
+
+def zero12_padded(numel: int, dp: int) -> int:
+    """ZeRO-1/2 flatten a parameter group into one buffer padded to a multiple of 2·dp elements
+    (`nccl_start_alignment_factor` 2 per rank); each rank owns 1/dp of it."""
+    return -(-numel // (2 * dp)) * (2 * dp)
