@@ -139,8 +139,10 @@ def deepspeed_settings(cfg) -> dict:
     """The knobs of the DeepSpeed config the run gets (generated, then `ds_set`) that shape traffic
     and state: persistence threshold, bucket sizes (elements), pipeline partitioning. Defaults are
     DeepSpeed 0.19's."""
-    from bench.backends.deepspeed_config import final_config  # pure: yaml only
-    config = final_config(cfg)
+    from bench.backends.deepspeed_config import apply_ds_set, grad_bytes  # pure: yaml only
+    bucket = int(cfg.bucket_mb * 2**20 / grad_bytes(cfg))  # elements, as deepspeed_config.generate sets both
+    zero = {"stage3_prefetch_bucket_size": bucket, "reduce_bucket_size": bucket}
+    config = apply_ds_set({"zero_optimization": zero}, getattr(cfg, "ds_set", ()))  # the planner's shapes have none
     zero, pipe = config.get("zero_optimization", {}), config.get("pipeline", {})
     return {"stage3_param_persistence_threshold": zero.get("stage3_param_persistence_threshold", 100_000),
             "stage3_prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size", 50_000_000),
