@@ -195,15 +195,16 @@ def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffi
         # parameters up to the prefetch bucket in one coalesced all-gather (output: the padded full
         # tensors); with max_reuse_distance at its default (1e9) nothing is released before the
         # micro-batch ends, so backward gathers nothing again. Bigger than one bucket: one
-        # all-gather per bucket (DeepSpeed fills buckets by whole parameters, so this is a floor).
+        # all-gather per bucket's worth, an approximation (DeepSpeed's prefetcher then also fetches
+        # each module's own parameters apart from the prefetched ones; not modelled).
         gathered = sum(zero3_padded(n, cfg.dp) for n in parted)
         per_mb = _buckets(gathered, ds["stage3_prefetch_bucket_size"])
         out.append(Traffic("dp", "all_gather", gathered * param_b / per_mb, per_mb * mb, cfg.dp,
                            "partitioned parameters (prefetched)"))
-    # every gradient, persistent or not, is reduce-scattered at the end of each micro-batch's
-    # backward, in reduce buckets (one when the stage fits)
+    # every gradient, persistent or not, is reduce-scattered during each micro-batch's backward
+    # through the ipg bucket, which is flushed before a gradient that would overflow it
     grads = sum(zero3_padded(n, cfg.dp) for n in (*kept, *parted))
-    per_mb = _buckets(grads, ds["reduce_bucket_size"])
+    per_mb = _greedy_buckets(plan.param_sizes(stage)[::-1], ds["reduce_bucket_size"])
     out += [Traffic("dp", "reduce_scatter", grads * grad_b / per_mb, per_mb * mb, cfg.dp, "gradients"),
             # the overflow / gradient-norm check: one fp64 scalar
             Traffic("dp", "all_reduce", 2 * FP32, 1, cfg.dp, "overflow check", "step")]
@@ -212,6 +213,17 @@ def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffi
 
 def _buckets(numel: float, bucket: float) -> int:
     return max(1, -(-int(numel) // int(bucket)))
+
+
+def _greedy_buckets(sizes: list[int], cap: float) -> int:
+    """Buckets filled in arrival order (backward: reverse registration), a new one whenever the next
+    tensor would pass `cap` (a tensor bigger than `cap` gets a bucket of its own)."""
+    count, filled = 0, 0
+    for n in sizes:
+        if filled and filled + n > cap:
+            count, filled = count + 1, 0
+        filled += n
+    return count + (filled > 0)
 
 
 def _deepspeed_tp(plan, stage: int) -> list[Traffic]:
