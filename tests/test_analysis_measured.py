@@ -36,6 +36,9 @@ FAST = [
     dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=3),
     dict(backend="deepspeed", tp=1, pp=2, dp=2, micro_batches=2, zero=1),
     dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=3, ds_set=PARTITIONED),
+    # mixed precision: bf16 weights, fp32 masters, the overflow flag beside the gradient norm
+    dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=1, dtype="bf16-mixed"),
+    dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=0, dtype="bf16-mixed"),
 ]
 SLOW = [
     dict(backend="native", tp=1, pp=2, dp=2, micro_batches=4, schedule="gpipe", dtype="bf16-mixed"),

@@ -165,7 +165,7 @@ def dp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         # updated partitions all-gathered.
         times = cfg.micro_batches if what == "grads" else 1
         out = [Traffic("dp", "all_reduce", grads, times, cfg.dp, "gradients", "step"),
-               Traffic("dp", "all_reduce", FP32, 1, cfg.dp, "overflow check", "step"),
+               *_deepspeed_scalars(cfg, "dp", cfg.dp),
                Traffic("dp", "all_gather", params, 1, cfg.dp, "updated parameters", "step")]
         if cfg.pp > 1 and stage == cfg.pp - 1:  # the pipeline engine averages the loss over dp
             out.append(Traffic("dp", "all_reduce", FP32, 1, cfg.dp, "loss", "step"))
@@ -207,7 +207,7 @@ def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffi
     per_mb = _greedy_buckets(plan.param_sizes(stage)[::-1], ds["reduce_bucket_size"])
     out += [Traffic("dp", "reduce_scatter", grads * grad_b / per_mb, per_mb * mb, cfg.dp, "gradients"),
             # the overflow / gradient-norm check: one fp64 scalar
-            Traffic("dp", "all_reduce", 2 * FP32, 1, cfg.dp, "overflow check", "step")]
+            *_deepspeed_scalars(cfg, "dp", cfg.dp)]
     return out
 
 
@@ -236,9 +236,8 @@ def _deepspeed_tp(plan, stage: int) -> list[Traffic]:
     for backward and, with partitioned gradients, to rebuild the gradient it received."""
     cfg, rank = plan.cfg, plan.ranks[stage]
     t, mb, out = cfg.tp, cfg.micro_batches, []
-    if cfg.zero and cfg.pp == 1:
-        out.append(Traffic("tp", "all_reduce", 2 * FP32 if cfg.zero == 3 else FP32, 1, t,
-                           "gradient-norm scalar", "step"))
+    if cfg.pp == 1:
+        out += _deepspeed_scalars(cfg, "tp", t, model_parallel=True)
     ds = deepspeed_settings(cfg)
     if cfg.pp > 1 and ds["pipe_partitioned"]:
         x = cfg.micro_batch * cfg.seq * cfg.model_config.hidden * precision(cfg.dtype).comm_pp
@@ -246,6 +245,23 @@ def _deepspeed_tp(plan, stage: int) -> list[Traffic]:
         if gathers:
             out += _partitioned_full(x, gathers * mb, t)
     return out
+
+
+def _deepspeed_scalars(cfg, dim: str, n: int, model_parallel: bool = False) -> list[Traffic]:
+    """The scalars DeepSpeed's optimizer all-reduces once per step, over dp and over its model-parallel
+    group (tp without a pipeline, pp without tp, else a group of neither): the gradient norm (fp32;
+    ZeRO-3's is fp64) and, with low-precision weights, the overflow flag (1 byte; ZeRO-3 folds it
+    into the norm). ZeRO-0 reduces none over dp, and over model parallel only under mixed precision
+    (its fp16/bf16 optimizer wrapper)."""
+    mixed = cfg.dtype != "fp32"
+    if cfg.zero == 0:
+        sizes = [FP32, 1] if mixed and model_parallel else []
+    elif cfg.zero == 3:
+        sizes = [2 * FP32]
+    else:
+        sizes = [FP32, 1] if mixed else [FP32]
+    names = {FP32: "gradient norm (fp32)", 2 * FP32: "gradient norm (fp64)", 1: "overflow flag"}
+    return [Traffic(dim, "all_reduce", b, 1, n, names[b], "step") for b in sizes]
 
 
 def _partitioned_full(x: float, times: int, t: int) -> list[Traffic]:
@@ -279,8 +295,8 @@ def _deepspeed_pp(plan, msg: float, fwd: int, bwd: int) -> list[Traffic]:
     # one receive per message: a stage that sends activations receives gradients, and vice versa
     recvs = fwd * mb * (1 + split_grad) + bwd * mb * (1 + split_act)
     out.append(Traffic("pp", "recv", 0, recvs, 2, "receives (counted as ops)"))
-    if cfg.zero and t == 1:
-        out.append(Traffic("pp", "all_reduce", FP32, 1, cfg.pp, "overflow check", "step"))
+    if t == 1:
+        out += _deepspeed_scalars(cfg, "pp", cfg.pp, model_parallel=True)
     out.append(Traffic("pp", "broadcast", 2 * FP32, 1, cfg.pp, "loss from the last stage", "step"))
     return out
 

@@ -259,7 +259,8 @@ def _deepspeed_state(plan, stage: int, prec: Precision) -> dict:
     """DeepSpeed 0.19's own tensors (stage_1_and_2.py, stage3.py), counted by `model_state`'s rule.
     DeepSpeed frees gradients after its optimizer step, so its gradients are the ones its optimizer
     steps on, taken when the wrapped torch optimizer's step runs (`bench.backends.deepspeed`):
-    - ZeRO-0: the module's parameters and their gradients, Adam's m and v (plain data parallel).
+    - ZeRO-0: the module's parameters and their gradients, Adam's m and v (plain data parallel);
+      under mixed precision an fp32 master copy of every parameter, with an fp32 gradient.
     - ZeRO-1/2: the module's parameters are views of one flat low-precision buffer padded to 2·dp
       elements; the optimizer steps on an fp32 copy of this rank's 1/dp of it (a copy even in fp32)
       with an fp32 gradient of that size: params pad(N), grads pad(N)/dp in fp32, optimizer
@@ -272,9 +273,8 @@ def _deepspeed_state(plan, stage: int, prec: Precision) -> dict:
     from bench.analysis.params import deepspeed_zero3_split, zero3_padded, zero12_padded
     cfg, n, dp = plan.cfg, plan.ranks[stage].params, plan.cfg.dp
     adam, fp32 = 8, 4
-    if cfg.zero == 0:
-        return {"params_bytes": n * prec.param, "grads_bytes": n * prec.grad,
-                "optimizer_bytes": n * prec.optimizer}
+    if cfg.zero == 0:  # mixed precision: its fp16/bf16 wrapper steps on whole fp32 masters and grads
+        return {"params_bytes": n * prec.param, "grads_bytes": n * fp32, "optimizer_bytes": n * prec.optimizer}
     if cfg.zero < 3:
         params = zero12_padded(int(n), dp)
         part = params / dp
