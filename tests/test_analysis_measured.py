@@ -98,6 +98,17 @@ def test_predicted_comm_equals_measured_all_backends(pools, options):
     _check_all(pools, [options])
 
 
+def test_native_zero1_really_saves_memory(pools):
+    """ZeRO-1 at dp 4, fp32, Ψ = parameter bytes: params Ψ + grads Ψ + Adam 2Ψ/4 (the optimizer steps
+    on its shard of the flat parameter buffer in place: no copy of the shard, no separate gradient),
+    against 4Ψ without ZeRO."""
+    rows = {z: pools(4).run(RunConfig(**BASE, backend="native", dp=4, micro_batches=1, zero=z)) for z in (0, 1)}
+    assert all(r["status"] == "ok" for r in rows.values()), [r["error"] for r in rows.values()]
+    psi = rows[0]["params_bytes"]
+    assert rows[0]["persistent_bytes"] == 4 * psi
+    assert rows[1]["persistent_bytes"] == psi + psi + 2 * psi / 4
+
+
 MEMORY_BAND = (0.6, 1.5)  # measured step peak / predicted (activations + transient), see module docstring
 
 
