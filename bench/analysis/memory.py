@@ -267,7 +267,8 @@ def _deepspeed_state(plan, stage: int, prec: Precision) -> dict:
       pad(N)/dp × (4 master + 8 Adam). The full-size gradients backward produces (and the ipg
       buckets they are reduced through) are freed at the step: step memory, not model state.
     - ZeRO-3: each parameter padded to a multiple of dp and partitioned; those at or below the
-      persistence threshold are also kept whole on every rank. The optimizer's fp32 partition copy,
+      persistence threshold are also kept whole on every rank (at dp = 1 the partition is the
+      parameter itself, one copy). The optimizer's fp32 partition copy,
       its gradient and Adam's m, v as at ZeRO-1/2.
     Mixed precision: low-precision parameters (`prec.param`), fp32 master, gradient partition and Adam."""
     from bench.analysis.params import deepspeed_zero3_split, zero3_padded, zero12_padded
@@ -281,7 +282,7 @@ def _deepspeed_state(plan, stage: int, prec: Precision) -> dict:
     else:
         kept, parted = deepspeed_zero3_split(plan, stage)
         part = sum(zero3_padded(k, dp) for k in (*kept, *parted)) / dp
-        params = sum(kept) + part
+        params = part + (sum(kept) if dp > 1 else 0)  # dp = 1: the partition is the whole parameter
     return {"params_bytes": params * prec.param, "grads_bytes": part * fp32,
             "optimizer_bytes": part * (fp32 + adam)}
 
