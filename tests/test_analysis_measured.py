@@ -52,7 +52,10 @@ SLOW = [
     dict(backend="deepspeed", dp=4, micro_batches=2, zero=3),
     dict(backend="deepspeed", dp=2, pp=2, micro_batches=4, zero=1),
     dict(backend="deepspeed", dp=2, tp=2, micro_batches=1, zero=1),
-    dict(backend="deepspeed", dp=4, micro_batches=2, zero=3, bucket_mb=0.05),  # several buckets
+    dict(backend="deepspeed", dp=4, micro_batches=2, zero=3, bucket_mb=0.05),  # several reduce buckets
+    dict(backend="deepspeed", dp=4, micro_batches=2, zero=2, bucket_mb=0.0625),
+    dict(backend="deepspeed", pp=2, dp=2, micro_batches=2, zero=0, dtype="bf16-mixed"),  # its BF16_Optimizer
+    dict(backend="deepspeed", pp=2, dp=2, micro_batches=2, zero=0),
 ]
 
 

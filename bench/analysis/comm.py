@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from bench.analysis.memory import block_params_local, precision
-from bench.analysis.params import deepspeed_settings, deepspeed_zero3_split, zero3_padded
+from bench.analysis.params import deepspeed_bf16_optimizer, deepspeed_settings, deepspeed_zero3_split, zero3_padded
 from bench.results import comm_column, comm_columns, comm_op_column
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
@@ -154,31 +154,43 @@ def dp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         return _native_dp(plan, stage)
     if cfg.backend == "fsdp":
         return _fsdp_dp(plan, stage, grad_b, param_b)
+    if cfg.backend == "deepspeed":
+        return _deepspeed_dp(plan, stage, grad_b, param_b)
     n = plan.ranks[stage].params
     grads, params = n * grad_b, n * param_b
     what = plan.sharding
-    if what == "none":  # ddp, deepspeed ZeRO-0
+    if what == "none":  # ddp
         return [Traffic("dp", "all_reduce", grads, 1, cfg.dp, "gradients", "step")]
-    if cfg.backend == "deepspeed" and what in ("optimizer", "grads"):
-        # DeepSpeed ZeRO-1/2 as measured: gradients all-reduced (ZeRO-1 once per step at the
-        # accumulation boundary, ZeRO-2 after every micro-batch), a 4-byte overflow check, the
-        # updated partitions all-gathered.
-        times = cfg.micro_batches if what == "grads" else 1
-        out = [Traffic("dp", "all_reduce", grads, times, cfg.dp, "gradients", "step"),
-               *_deepspeed_scalars(cfg, "dp", cfg.dp),
-               Traffic("dp", "all_gather", params, 1, cfg.dp, "updated parameters", "step")]
-        if cfg.pp > 1 and stage == cfg.pp - 1:  # the pipeline engine averages the loss over dp
-            out.append(Traffic("dp", "all_reduce", FP32, 1, cfg.dp, "loss", "step"))
-        return out
     if what in ("optimizer", "grads"):  # ZeRO-1/2 (ZeRO paper §7: the same volume as an all-reduce)
         return [Traffic("dp", "reduce_scatter", grads, 1, cfg.dp, "gradients", "step"),
                 Traffic("dp", "all_gather", params, 1, cfg.dp, "updated parameters", "step")]
-    if cfg.backend == "deepspeed":
-        return _deepspeed_zero3(plan, stage, grad_b, param_b)
     blocks = plan.ranks[stage].layers * block_params_local(cfg.model_config, cfg.tp)
     mb = cfg.micro_batches  # ZeRO-3: parameters gathered forward and backward every micro-batch
     return [Traffic("dp", "all_gather", (n + blocks) * param_b, mb, cfg.dp, "parameters"),
             Traffic("dp", "reduce_scatter", grads, mb, cfg.dp, "gradients")]
+
+
+def _deepspeed_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
+    """DeepSpeed over dp, as measured. ZeRO-0: the gradients all-reduced once per step (at the
+    accumulation boundary). ZeRO-1/2 (and the bf16 optimizer its pipeline uses at ZeRO-0, which
+    partitions the fp32 master the same way): gradients all-reduced (ZeRO-2 after every
+    micro-batch), the per-step scalars, the updated partitions all-gathered. ZeRO-3:
+    `_deepspeed_zero3`. The pipeline engine also averages the loss over dp on the last stage."""
+    cfg = plan.cfg
+    if cfg.zero == 3:
+        return _deepspeed_zero3(plan, stage, grad_b, param_b)
+    n = plan.ranks[stage].params
+    rounds = cfg.micro_batches if cfg.zero == 2 else 1  # ZeRO-2 reduces after every micro-batch
+    buckets = 1  # ZeRO-0: one all-reduce of the flat gradients
+    if cfg.zero:  # ZeRO-1/2: through the ipg bucket (reduce_bucket_size), flushed before it would overflow
+        buckets = _greedy_buckets(plan.param_sizes(stage)[::-1], deepspeed_settings(cfg)["reduce_bucket_size"])
+    out = [Traffic("dp", "all_reduce", n * grad_b / buckets, rounds * buckets, cfg.dp, "gradients", "step")]
+    if cfg.zero or deepspeed_bf16_optimizer(cfg):
+        out += [*_deepspeed_scalars(cfg, "dp", cfg.dp),
+                Traffic("dp", "all_gather", n * param_b, 1, cfg.dp, "updated parameters", "step")]
+    if cfg.pp > 1 and stage == cfg.pp - 1:
+        out.append(Traffic("dp", "all_reduce", FP32, 1, cfg.dp, "loss", "step"))
+    return out
 
 
 def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
@@ -254,7 +266,9 @@ def _deepspeed_scalars(cfg, dim: str, n: int, model_parallel: bool = False) -> l
     into the norm). ZeRO-0 reduces none over dp, and over model parallel only under mixed precision
     (its fp16/bf16 optimizer wrapper)."""
     mixed = cfg.dtype != "fp32"
-    if cfg.zero == 0:
+    if deepspeed_bf16_optimizer(cfg):  # the norm over model parallel only, no flag
+        sizes = [FP32] if model_parallel else []
+    elif cfg.zero == 0:
         sizes = [FP32, 1] if mixed and model_parallel else []
     elif cfg.zero == 3:
         sizes = [2 * FP32]

@@ -260,7 +260,8 @@ def _deepspeed_state(plan, stage: int, prec: Precision) -> dict:
     DeepSpeed frees gradients after its optimizer step, so its gradients are the ones its optimizer
     steps on, taken when the wrapped torch optimizer's step runs (`bench.backends.deepspeed`):
     - ZeRO-0: the module's parameters and their gradients, Adam's m and v (plain data parallel);
-      under mixed precision an fp32 master copy of every parameter, with an fp32 gradient.
+      under mixed precision an fp32 master copy of every parameter, with an fp32 gradient; but with a
+      pipeline in bf16 its BF16_Optimizer partitions the master over dp, as ZeRO-1 does.
     - ZeRO-1/2: the module's parameters are views of one flat low-precision buffer padded to 2·dp
       elements; the optimizer steps on an fp32 copy of this rank's 1/dp of it (a copy even in fp32)
       with an fp32 gradient of that size: params pad(N), grads pad(N)/dp in fp32, optimizer
@@ -271,10 +272,10 @@ def _deepspeed_state(plan, stage: int, prec: Precision) -> dict:
       parameter itself, one copy). The optimizer's fp32 partition copy,
       its gradient and Adam's m, v as at ZeRO-1/2.
     Mixed precision: low-precision parameters (`prec.param`), fp32 master, gradient partition and Adam."""
-    from bench.analysis.params import deepspeed_zero3_split, zero3_padded, zero12_padded
+    from bench.analysis.params import deepspeed_bf16_optimizer, deepspeed_zero3_split, zero3_padded, zero12_padded
     cfg, n, dp = plan.cfg, plan.ranks[stage].params, plan.cfg.dp
     adam, fp32 = 8, 4
-    if cfg.zero == 0:  # mixed precision: its fp16/bf16 wrapper steps on whole fp32 masters and grads
+    if cfg.zero == 0 and not deepspeed_bf16_optimizer(cfg):  # mixed: whole fp32 masters and grads
         return {"params_bytes": n * prec.param, "grads_bytes": n * fp32, "optimizer_bytes": n * prec.optimizer}
     if cfg.zero < 3:
         params = zero12_padded(int(n), dp)

@@ -151,6 +151,12 @@ def deepspeed_settings(cfg) -> dict:
             "grad_partitioned": pipe.get("grad_partitioned", True)}
 
 
+def deepspeed_bf16_optimizer(cfg) -> bool:
+    """DeepSpeed's pipeline engine trains bf16 at ZeRO-0 through its BF16_Optimizer, which partitions
+    the fp32 master over dp like ZeRO-1 (engine._do_optimizer_sanity_check)."""
+    return cfg.backend == "deepspeed" and cfg.zero == 0 and cfg.dtype == "bf16-mixed" and cfg.pp > 1
+
+
 def deepspeed_zero3_split(plan, stage: int) -> tuple[list[int], list[int]]:
     """(element counts of the persistent parameters, of the partitioned ones) of a rank: DeepSpeed
     keeps a parameter whole on every rank when numel ≤ stage3_param_persistence_threshold."""
