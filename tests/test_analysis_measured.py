@@ -36,6 +36,8 @@ FAST = [
     dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=3),
     dict(backend="deepspeed", tp=1, pp=2, dp=2, micro_batches=2, zero=1),
     dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=3, ds_set=PARTITIONED),
+    dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=3, ds_set=PARTITIONED,
+         bucket_mb=0.05),  # the prefetcher over several buckets
     # mixed precision: bf16 weights, fp32 masters, the overflow flag beside the gradient norm
     dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=1, dtype="bf16-mixed"),
     dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=0, dtype="bf16-mixed"),
@@ -54,6 +56,10 @@ SLOW = [
     dict(backend="deepspeed", dp=2, tp=2, micro_batches=1, zero=1),
     dict(backend="deepspeed", dp=4, micro_batches=2, zero=3, bucket_mb=0.05),  # several reduce buckets
     dict(backend="deepspeed", dp=4, micro_batches=2, zero=2, bucket_mb=0.0625),
+    # ZeRO-3's prefetcher over several buckets, with and without tp, some parameters persistent
+    dict(backend="deepspeed", dp=4, micro_batches=2, zero=3, bucket_mb=0.05, ds_set=PARTITIONED),
+    dict(backend="deepspeed", dp=4, micro_batches=2, zero=3, bucket_mb=0.05,
+         ds_set=["zero_optimization.stage3_param_persistence_threshold=5000"]),
     dict(backend="deepspeed", pp=2, dp=2, micro_batches=2, zero=0, dtype="bf16-mixed"),  # its BF16_Optimizer
     dict(backend="deepspeed", pp=2, dp=2, micro_batches=2, zero=0),
 ]

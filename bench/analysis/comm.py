@@ -31,7 +31,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from bench.analysis.memory import block_params_local, precision
-from bench.analysis.params import deepspeed_bf16_optimizer, deepspeed_settings, deepspeed_zero3_split, zero3_padded
+from bench.analysis.params import (deepspeed_bf16_optimizer, deepspeed_settings, deepspeed_zero3_split,
+                                   zero3_padded, zero3_prefetch_gathers)
 from bench.results import comm_column, comm_columns, comm_op_column
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
@@ -202,16 +203,14 @@ def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffi
     if kept:  # persistent parameters: whole on every rank, re-gathered one by one after the step
         out.append(Traffic("dp", "all_gather", sum(kept) * param_b / len(kept), len(kept), cfg.dp,
                            "persistent parameters", "step"))
-    if parted:
-        # The root module owns no parameter, so its fetch gathers nothing and prefetches the traced
-        # parameters up to the prefetch bucket in one coalesced all-gather (output: the padded full
-        # tensors); with max_reuse_distance at its default (1e9) nothing is released before the
-        # micro-batch ends, so backward gathers nothing again. Bigger than one bucket: one
-        # all-gather per bucket's worth, an approximation (DeepSpeed's prefetcher then also fetches
-        # each module's own parameters apart from the prefetched ones; not modelled).
-        gathered = sum(zero3_padded(n, cfg.dp) for n in parted)
-        per_mb = _buckets(gathered, ds["stage3_prefetch_bucket_size"])
-        out.append(Traffic("dp", "all_gather", gathered * param_b / per_mb, per_mb * mb, cfg.dp,
+    if parted:  # gathered by DeepSpeed's prefetcher, replayed in `zero3_prefetch_gathers`; kept
+        # gathered until the micro-batch ends (max_reuse_distance), so backward gathers nothing again
+        gathers = zero3_prefetch_gathers(plan, stage)
+        if gathers is None:  # too big to replay: one all-gather per bucket's worth, an approximation
+            total = sum(zero3_padded(n, cfg.dp) for n in parted)
+            k = _buckets(total, ds["stage3_prefetch_bucket_size"])
+            gathers = [total / k] * k
+        out.append(Traffic("dp", "all_gather", sum(gathers) * param_b / len(gathers), len(gathers) * mb, cfg.dp,
                            "partitioned parameters (prefetched)"))
     # every gradient, persistent or not, is reduce-scattered during each micro-batch's backward
     # through the ipg bucket, which is flushed before a gradient that would overflow it

@@ -9,6 +9,7 @@ partial per sequence chunk and get summed over tp).
 """
 from __future__ import annotations
 
+from collections import deque
 from functools import lru_cache
 
 from bench.schedule import partition, rank_chunks
@@ -147,6 +148,8 @@ def deepspeed_settings(cfg) -> dict:
     return {"stage3_param_persistence_threshold": zero.get("stage3_param_persistence_threshold", 100_000),
             "stage3_prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size", 50_000_000),
             "reduce_bucket_size": zero.get("reduce_bucket_size", 500_000_000),
+            "stage3_max_live_parameters": zero.get("stage3_max_live_parameters", 1_000_000_000),
+            "stage3_max_reuse_distance": zero.get("stage3_max_reuse_distance", 1_000_000_000),
             "pipe_partitioned": pipe.get("pipe_partitioned", True),
             "grad_partitioned": pipe.get("grad_partitioned", True)}
 
@@ -174,3 +177,54 @@ def zero12_padded(numel: int, dp: int) -> int:
     """ZeRO-1/2 flatten a parameter group into one buffer padded to a multiple of 2·dp elements
     (`nccl_start_alignment_factor` 2 per rank); each rank owns 1/dp of it."""
     return -(-numel // (2 * dp)) * (2 * dp)
+
+
+def zero3_prefetch_gathers(plan, stage: int) -> list[int] | None:
+    """Element counts (whole, padded to dp) of the all-gathers DeepSpeed ZeRO-3 issues in one
+    micro-batch, by replaying its prefetcher (partitioned_param_coordinator.fetch_sub_module) over
+    this model's module trace: at each module's forward (parameterless ones included) it gathers
+    the module's parameters not yet available, then pops the recorded trace and gathers, in one
+    op, the parameters not yet available until their numel reaches stage3_prefetch_bucket_size.
+    None when the replay does not hold: parameters would be released before the micro-batch ends
+    (the stage's parameters exceed stage3_max_live_parameters or stage3_max_reuse_distance)."""
+    cfg, ds = plan.cfg, deepspeed_settings(plan.cfg)
+    params = [(name, numel(shape)) for chunk in stage_chunk_params(*plan._key(stage)) for name, shape, _ in chunk]
+    bucket = ds["stage3_prefetch_bucket_size"]
+    if sum(n for _, n in params) + bucket > min(ds["stage3_max_live_parameters"], ds["stage3_max_reuse_distance"]):
+        return None
+    sizes = [n for _, n in params]
+    available = {i for i, n in enumerate(sizes) if n <= ds["stage3_param_persistence_threshold"]}
+    trace = _module_trace([name for name, _ in params])
+    queue = deque(i for _, mine in trace for i in mine)
+    gathers = []
+    for _, mine in trace:
+        need = [i for i in mine if i not in available]
+        if need:
+            gathers.append(need)
+            available.update(need)
+        while queue and queue[0] in mine:  # this module's own entries of the trace
+            queue.popleft()
+        batch, batch_numel = [], 0
+        while queue and batch_numel < bucket:
+            i = queue.popleft()
+            if i not in available and i not in batch:
+                batch.append(i)
+                batch_numel += sizes[i]
+        if batch:
+            gathers.append(batch)
+            available.update(batch)
+    return [sum(zero3_padded(sizes[i], cfg.dp) for i in g) for g in gathers]
+
+
+def _module_trace(names: list[str]) -> list[tuple[str, list[int]]]:
+    """The modules in the order their forward runs (pre-order: the root, then each parent before its
+    children; the ModuleList of blocks has no forward), each with the indices of its own parameters."""
+    order: dict[str, list[int]] = {"": []}
+    for i, name in enumerate(names):
+        parts = name.split(".")[:-1]
+        for depth in range(1, len(parts) + 1):
+            module = ".".join(parts[:depth])
+            if module != "blocks":
+                order.setdefault(module, [])
+        order[".".join(parts)].append(i)
+    return list(order.items())
