@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 
 from bench.analysis.memory import block_params_local, precision
 from bench.analysis.params import (deepspeed_bf16_optimizer, deepspeed_settings, deepspeed_zero3_split,
@@ -184,7 +185,7 @@ def _deepspeed_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
     rounds = cfg.micro_batches if cfg.zero == 2 else 1  # ZeRO-2 reduces after every micro-batch
     buckets = 1  # ZeRO-0: one all-reduce of the flat gradients
     if cfg.zero:  # ZeRO-1/2: through the ipg bucket (reduce_bucket_size), flushed before it would overflow
-        buckets = _greedy_buckets(plan.param_sizes(stage)[::-1], deepspeed_settings(cfg)["reduce_bucket_size"])
+        buckets = _greedy_buckets(tuple(plan.param_sizes(stage)[::-1]), deepspeed_settings(cfg)["reduce_bucket_size"])
     out = [Traffic("dp", "all_reduce", n * grad_b / buckets, rounds * buckets, cfg.dp, "gradients", "step")]
     if cfg.zero or deepspeed_bf16_optimizer(cfg):
         out += [*_deepspeed_scalars(cfg, "dp", cfg.dp),
@@ -215,7 +216,7 @@ def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffi
     # every gradient, persistent or not, is reduce-scattered during each micro-batch's backward
     # through the ipg bucket, which is flushed before a gradient that would overflow it
     grads = sum(zero3_padded(n, cfg.dp) for n in (*kept, *parted))
-    per_mb = _greedy_buckets(plan.param_sizes(stage)[::-1], ds["reduce_bucket_size"])
+    per_mb = _greedy_buckets(tuple(plan.param_sizes(stage)[::-1]), ds["reduce_bucket_size"])
     out += [Traffic("dp", "reduce_scatter", grads * grad_b / per_mb, per_mb * mb, cfg.dp, "gradients"),
             # the overflow / gradient-norm check: one fp64 scalar
             *_deepspeed_scalars(cfg, "dp", cfg.dp)]
@@ -226,7 +227,8 @@ def _buckets(numel: float, bucket: float) -> int:
     return max(1, -(-int(numel) // int(bucket)))
 
 
-def _greedy_buckets(sizes: list[int], cap: float) -> int:
+@lru_cache(maxsize=65536)
+def _greedy_buckets(sizes: tuple[int, ...], cap: float) -> int:
     """Buckets filled in arrival order (backward: reverse registration), a new one whenever the next
     tensor would pass `cap` (a tensor bigger than `cap` gets a bucket of its own)."""
     count, filled = 0, 0

@@ -74,6 +74,12 @@ def stage_chunk_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stag
     return out
 
 
+@lru_cache(maxsize=65536)
+def stage_param_sizes(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, ...]:
+    """Element counts of every parameter pipeline rank `stage` holds, in registration order."""
+    return tuple(numel(s) for chunk in stage_chunk_params(m, tp, pp, virtual_stages, stage) for _, s, _ in chunk)
+
+
 def numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
