@@ -65,7 +65,8 @@ class Bucket:
         """Start the asynchronous reduction over dp (no-op for dp = 1)."""
         if self.dp == 1 or self.work is not None:
             return
-        if self.zero:  # (N_pad,) → (N_pad/dp,) this rank's shard, summed over dp
+        if self.zero:  # (N_pad,) → (N_pad/dp,) this rank's shard, summed over dp, written into its own
+            # slice of the input (in place, as NCCL allows; gloo reduces into a scratch buffer first)
             self.work = dist.reduce_scatter_single(self.shard.grad, self.grads, group=self.group, async_op=True)
         else:  # (N,) summed over dp, in place
             self.work = dist.all_reduce(self.grads, group=self.group, async_op=True)
