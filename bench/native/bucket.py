@@ -66,7 +66,7 @@ class Bucket:
         if self.dp == 1 or self.work is not None:
             return
         if self.zero:  # (N_pad,) → (N_pad/dp,) this rank's shard, summed over dp, written into its own
-            # slice of the input (in place, as NCCL allows; gloo reduces into a scratch buffer first)
+            # slice of the input (in place: NCCL documents it; on gloo the ZeRO-1 parity tests check it)
             self.work = dist.reduce_scatter_single(self.shard.grad, self.grads, group=self.group, async_op=True)
         else:  # (N,) summed over dp, in place
             self.work = dist.all_reduce(self.grads, group=self.group, async_op=True)
