@@ -24,6 +24,11 @@ What each dimension moves (b sequences × s tokens per micro-batch, hidden h, X 
   micro-batch: all-gather of the root parameters (embeddings, head) once and of each block twice
   (forward, and re-gathered for backward) + reduce-scatter of all gradients; FSDP grad-op: one
   all-gather of all parameters + reduce-scatter per micro-batch.
+- DeepSpeed (0.19, as measured and read in its source): its own rules, each term with its reason in
+  `_deepspeed_tp`, `_deepspeed_pp`, `_deepspeed_dp`, `_deepspeed_zero3` and `_deepspeed_scalars`:
+  the pipeline splits what it sends over tp, ZeRO-1/2 all-reduce (not reduce-scatter) in reduce
+  buckets, ZeRO-3 gathers what its prefetcher fetches (`params.zero3_prefetch_gathers`), and the
+  optimizer reduces a few scalars per step over dp and over its model-parallel group.
 """
 from __future__ import annotations
 
