@@ -258,10 +258,10 @@ def _deepspeed_tp(plan, stage: int) -> list[Traffic]:
         out += _deepspeed_scalars(cfg, "tp", t, model_parallel=True)
     ds = deepspeed_settings(cfg)
     if cfg.pp > 1 and ds["pipe_partitioned"]:
-        x = cfg.micro_batch * cfg.seq * cfg.model_config.hidden * precision(cfg.dtype).comm_pp
+        numel = cfg.micro_batch * cfg.seq * cfg.model_config.hidden
         gathers = (not rank.first) + (not rank.last) * (1 + ds["grad_partitioned"])
         if gathers:
-            out += _partitioned_full(x, gathers * mb, t)
+            out += _partitioned_full(numel, precision(cfg.dtype).comm_pp, gathers * mb, t)
     return out
 
 
@@ -284,20 +284,20 @@ def _deepspeed_scalars(cfg, dim: str, n: int, model_parallel: bool = False) -> l
     return [Traffic(dim, "all_reduce", b, 1, n, names[b], "step") for b in sizes]
 
 
-def _partitioned_full(x: float, times: int, t: int) -> list[Traffic]:
-    """PartitionedTensor.full(): one all-gather when the tensor splits evenly over tp, else one
-    broadcast per part (the parts together are the tensor)."""
-    if x % t == 0:
-        return [Traffic("tp", "all_gather", x, times, t, "pipeline tensor from its tp parts")]
-    return [Traffic("tp", "broadcast", x / t, times * t, t, "pipeline tensor from its tp parts")]
+def _partitioned_full(numel: int, elem: int, times: int, t: int) -> list[Traffic]:
+    """PartitionedTensor.full(): one all-gather when the tensor's elements split evenly over tp, else
+    one broadcast per part (the parts together are the tensor)."""
+    if numel % t == 0:
+        return [Traffic("tp", "all_gather", numel * elem, times, t, "pipeline tensor from its tp parts")]
+    return [Traffic("tp", "broadcast", numel * elem / t, times * t, t, "pipeline tensor from its tp parts")]
 
 
 def _deepspeed_pp(plan, msg: float, fwd: int, bwd: int) -> list[Traffic]:
     """DeepSpeed's PipelineEngine. With tp > 1 and `pipe_partitioned` (default) each activation goes
     as two messages: the PartitionedTensor meta (int64: ndim, shape, parts, rank, t + 1 offsets) and
     this rank's 1/t part; gradients the same with `grad_partitioned`. Per step: the loss broadcast
-    from the last stage (2 fp32: this dp group's and the dp mean), and with a ZeRO optimizer the
-    overflow flag over the model-parallel group, which is pp only when tp = 1."""
+    from the last stage (2 fp32: this dp group's and the dp mean), and the optimizer's scalars over
+    the model-parallel group, which is the pp group only when tp = 1 (`_deepspeed_scalars`)."""
     cfg, mb, t = plan.cfg, plan.cfg.micro_batches, plan.cfg.tp
     ds = deepspeed_settings(cfg)
     meta = 8 * (3 + 3 + t + 1)  # activations are (micro_batch, seq, hidden)
