@@ -37,8 +37,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from bench.analysis.memory import block_params_local, precision
-from bench.analysis.params import (deepspeed_bf16_optimizer, deepspeed_settings, deepspeed_zero3_split,
-                                   zero3_padded, zero3_prefetch_gathers)
+from bench.analysis.params import (
+    deepspeed_bf16_optimizer,
+    deepspeed_settings,
+    deepspeed_zero3_split,
+    zero3_padded,
+    zero3_prefetch_gathers,
+)
 from bench.results import comm_column, comm_columns, comm_op_column
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")

@@ -40,6 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from bench.analysis.params import (
+    deepspeed_bf16_optimizer,
+    deepspeed_zero3_split,
+    zero3_padded,
+    zero12_padded,
+)
 from models.config import GPTConfig, block_params, embedding_params
 
 MIXED_STATES = ("zero", "autocast")
@@ -269,10 +275,9 @@ def _deepspeed_state(plan, stage: int, prec: Precision) -> dict:
       buckets they are reduced through) are freed at the step: step memory, not model state.
     - ZeRO-3: each parameter padded to a multiple of dp and partitioned; those at or below the
       persistence threshold are also kept whole on every rank (at dp = 1 the partition is the
-      parameter itself, one copy). The optimizer's fp32 partition copy,
-      its gradient and Adam's m, v as at ZeRO-1/2.
+      parameter itself, one copy). The optimizer's fp32 partition copy, its gradient and Adam's
+      m, v as at ZeRO-1/2.
     Mixed precision: low-precision parameters (`prec.param`), fp32 master, gradient partition and Adam."""
-    from bench.analysis.params import deepspeed_bf16_optimizer, deepspeed_zero3_split, zero3_padded, zero12_padded
     cfg, n, dp = plan.cfg, plan.ranks[stage].params, plan.cfg.dp
     adam, fp32 = 8, 4
     if cfg.zero == 0 and not deepspeed_bf16_optimizer(cfg):  # mixed: whole fp32 masters and grads
