@@ -146,10 +146,7 @@ def deepspeed_settings(cfg) -> dict:
     """The knobs of the DeepSpeed config the run gets (generated, then `ds_set`) that shape traffic
     and state: persistence threshold, bucket sizes (elements), pipeline partitioning. Defaults are
     DeepSpeed 0.19's."""
-    from bench.backends.deepspeed_config import (  # pure: yaml only
-        apply_ds_set,
-        grad_bytes,
-    )
+    from bench.backends.deepspeed_config import apply_ds_set, grad_bytes  # pure: yaml only
     bucket = int(cfg.bucket_mb * 2**20 / grad_bytes(cfg))  # elements, as deepspeed_config.generate sets both
     zero = {"stage3_prefetch_bucket_size": bucket, "reduce_bucket_size": bucket}
     config = apply_ds_set({"zero_optimization": zero}, getattr(cfg, "ds_set", ()))  # the planner's shapes have none
