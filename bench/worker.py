@@ -21,7 +21,7 @@ from bench.distributed import ProcessGroups, init_from_env, resolve_device, shut
 from bench.layout import Layout
 from bench.metrics.comm import CommCounter
 from bench.metrics.flops import peak_flops
-from bench.metrics.memory import PeakMemory, tensor_bytes
+from bench.metrics.memory import PeakMemory, state_bytes
 from bench.metrics.sync import HostSyncCounter
 from bench.metrics.timer import StepTimer
 from bench.results import format_exception, measured_row as make_row  # noqa: F401 - the row is built there
@@ -145,7 +145,7 @@ def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer) -> dict:
                 with timer:
                     loss = train(batch)
                 losses.append(_value(loss))
-        state = {k: tensor_bytes(v) for k, v in trainer.state_tensors().items()}
+        state = state_bytes(trainer.state_tensors())
         extra = cfg.warmup + cfg.steps
         meter = trainer.meter()
         if meter is not None:

@@ -7,7 +7,7 @@ import sys
 import pandas as pd
 import pytest
 
-from bench.report.compare import compare, judge
+from bench.report.compare import compare, judge, prediction_mismatches
 from report_runs import result_sets
 
 
@@ -82,6 +82,17 @@ def test_new_missing_and_failed_configs():
         compare(rows(["a"]), rows(["a"]), thresholds={"step_tim_s": 0.1})
 
 
+def test_prediction_check_compares_each_row_with_itself():
+    row = {"run_id": "a", "config_id": "a", "status": "ok", "backend": "deepspeed", "tp": 2, "pp": 2, "dp": 1,
+           "zero": 1, "comm_bytes_pp": 33064.0, "pred_comm_bytes_pp": 33064.0, "comm_ops_pp": 17.0,
+           "pred_comm_ops_pp": 17.0}
+    assert prediction_mismatches(pd.DataFrame([row])) == []
+    wrong = prediction_mismatches(pd.DataFrame([{**row, "pred_comm_bytes_pp": 65548.0, "pred_comm_ops_pp": 10.0}]))
+    assert len(wrong) == 2 and "pred_comm_bytes_pp = 65548, comm_bytes_pp = 33064" in wrong[0]
+    failed = {**row, "status": "failed", "pred_comm_ops_pp": 10.0}  # nothing measured: nothing to check
+    assert prediction_mismatches(pd.DataFrame([failed])) == []
+
+
 # --- the gate on real runs -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sets(pools, tmp_path_factory):
@@ -151,6 +162,11 @@ def test_exact_metric_mismatch_fails_even_in_exact_only_mode(sets, bench):
     assert "❌" in out.stdout and "| native tp1·pp1·dp2 | params |" in out.stdout
     table = bench("compare", sets["baseline"], sets["changed"], "--exact-only")
     assert table.returncode == 1 and "changed" in table.stdout and "comm_bytes_dp" in table.stdout
+
+
+def test_check_predictions_on_real_runs(sets, bench):
+    out = bench("compare", sets["baseline"], sets["rerun"], "--exact-only", "--check-predictions")
+    assert out.returncode == 0 and "predicted communication = measured" in out.stderr, out.stdout + out.stderr
 
 
 def test_thresholds_from_flags(sets, bench):

@@ -67,7 +67,11 @@ def _fraction(value: str, hint: str) -> float:
 @click.option("--json", "as_json", is_flag=True, help="print the comparison as JSON")
 @click.option("--markdown", "as_markdown", is_flag=True, help="print Markdown (for a CI comment)")
 @click.option("--update-baseline", is_flag=True, help="after comparing, write CURRENT as the new BASELINE (exit 0)")
-def compare(baseline, current, threshold, metric_thresholds, exact_only, as_json, as_markdown, update_baseline):
+@click.option("--check-predictions", is_flag=True,
+              help="also fail when a run's predicted communication (pred_comm_*) differs from its measured "
+                   "comm_* (bytes, wire bytes, ops), in CURRENT or in BASELINE")
+def compare(baseline, current, threshold, metric_thresholds, exact_only, as_json, as_markdown, update_baseline,
+            check_predictions):
     """Compare CURRENT results with BASELINE config by config; exit 1 on a regression.
 
     Exact metrics must be equal; noisy metrics regress only when worse than the baseline by more than the
@@ -105,7 +109,19 @@ def compare(baseline, current, threshold, metric_thresholds, exact_only, as_json
         bl.write_baseline(cur, baseline)
         click.echo(f"baseline updated: {baseline} ({len(cur)} runs)", err=True)
         return
-    sys.exit(1 if result.regressed else 0)
+    wrong = _prediction_check(base, cur) if check_predictions else []
+    sys.exit(1 if result.regressed or wrong else 0)
+
+
+def _prediction_check(base, cur) -> list[str]:
+    from bench.report.compare import prediction_mismatches
+    wrong = [f"baseline: {w}" for w in prediction_mismatches(base)] + \
+        [f"current: {w}" for w in prediction_mismatches(cur)]
+    for line in wrong:
+        click.echo(f"prediction ≠ measurement: {line}", err=True)
+    if not wrong:
+        click.echo("predicted communication = measured in every run (baseline and current)", err=True)
+    return wrong
 
 
 @click.group()

@@ -183,3 +183,19 @@ def _spread(values: list[float]) -> float:
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def prediction_mismatches(df: pd.DataFrame) -> list[str]:
+    """Where a run's predicted communication differs from what it measured: every `pred_comm_*`
+    column of a row with status ok against its `comm_*` column (bytes, wire bytes and ops per
+    group). The cost model is exact for communication, so any difference is a failure; one line
+    per difference, naming the config."""
+    ok = df[df["status"] == Status.OK] if "status" in df else df
+    pairs = [(p, p[len("pred_"):]) for p in ok.columns if p.startswith("pred_comm_") and p[len("pred_"):] in ok]
+    out = []
+    for _, row in ok.iterrows():
+        for pred, meas in pairs:
+            p, m = row[pred], row[meas]
+            if _finite(p) and _finite(m) and not math.isclose(float(p), float(m), rel_tol=1e-9, abs_tol=1e-6):
+                out.append(f"{config_label(row.to_dict())}: {pred} = {float(p):g}, {meas} = {float(m):g}")
+    return out
