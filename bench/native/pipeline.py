@@ -103,6 +103,7 @@ class Pipeline:
         seq = run_cfg.seq // (groups.size("tp") if run_cfg.sequence_parallel else 1)
         self.act_shape = (run_cfg.micro_batch, seq, run_cfg.model_config.hidden)
         self.act_dtype = autocast_dtype or torch.float32
+        self.loss_scale = 1.0  # fp16-mixed: the trainer's dynamic loss scale (bench.loss_scale)
 
     def _sid(self, chunk: int) -> int:
         return self.sids[chunk]
@@ -156,6 +157,8 @@ class Pipeline:
         grad = None
         if sid != self.last_sid:
             grad = self.comm.recv_backward(out.shape, out.dtype, self.device, chunk)
+        elif self.loss_scale != 1.0:
+            out = out * self.loss_scale  # backward of the scaled loss: every gradient × scale
         with self.meter.compute():
             torch.autograd.backward(out, grad)
         if sid != 0:
