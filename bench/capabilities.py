@@ -156,8 +156,10 @@ def _pipeline(caps: Capabilities, cfg) -> str | None:
 
 
 def _precision(caps: Capabilities, cfg) -> str | None:
-    if cfg.dtype in NEEDS_LOSS_SCALER and cfg.device == "cpu":  # no backend: CPU autocast has no fp16 scaler
-        return f"backend {caps.name}: dtype {cfg.dtype} is not supported on cpu; use bf16-mixed or fp32"
+    if cfg.dtype in NEEDS_LOSS_SCALER and cfg.device != "cuda":  # the scalers are CUDA's (bench.loss_scale)
+        auto = " (device auto may be cpu: fp16 needs an explicit --device cuda)" if cfg.device == "auto" else ""
+        return (f"backend {caps.name}: dtype {cfg.dtype} is not supported on cpu{auto}; use bf16-mixed or fp32, "
+                "or --device cuda on a GPU host")
     if cfg.dtype not in caps.dtypes:
         why = " (no loss scaling here)" if cfg.dtype in NEEDS_LOSS_SCALER else ""
         return (f"backend {caps.name} supports dtype {' and '.join(caps.dtypes)}, not {cfg.dtype}{why}; "
