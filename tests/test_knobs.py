@@ -183,6 +183,7 @@ def test_compile_every_backend_matches_eager(pools, reference_loss, kw):
     assert row["compile"] is True and row["compile_s"] > 0
 
 
+@pytest.mark.slow
 def test_compile_row_records_compile_time_apart_from_step_time(pools):
     row = _row(pools, compile=True, micro_batches=2)
     assert row["compile"] is True
