@@ -63,7 +63,7 @@ def test_hybrid_shape_shards_within_a_node_and_keeps_two_replicas():
     (dict(backend="fsdp", pp=2, micro_batches=1, schedule="1f1b"), r"schedule 1f1b needs micro_batches ≥ pp"),
     (dict(backend="fsdp", pp=2, micro_batches=2, model_overrides=("tie_embeddings=true",)), r"tie_embeddings"),
     (dict(backend="ddp", fsdp="full"), r"fsdp='full' applies to backend fsdp only"),
-    (dict(backend="fsdp", recompute="selective"), r"backend fsdp: recompute selective is not supported"),
+    (dict(backend="fsdp", compile=True, warmup=0), r"compile needs warmup ≥ 1"),
 ])
 def test_bad_options_are_rejected_in_validation(kw, match):
     with pytest.raises(ConfigError, match=match):

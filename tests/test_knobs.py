@@ -166,12 +166,12 @@ def test_compile_parity_native_pp2_dp2_and_world1(pools):
 
 
 # --- every backend: the row -----------------------------------------------------------------------------------
-RUN = dict(model="tiny", steps=2, warmup=1, micro_batch=2)  # global batch 4 over dp 2
+RUN = dict(model="tiny", steps=2, warmup=1)  # global batch 4: micro_batch × micro_batches × dp
 
 
 @pytest.fixture(scope="module")
 def reference_loss(pools):
-    row = pools(1).run(RunConfig(**RUN, micro_batches=2))
+    row = pools(1).run(RunConfig(**RUN, micro_batch=2, micro_batches=2))
     assert row["status"] == "ok", row.get("error")
     return row["loss_last"]
 
@@ -195,12 +195,15 @@ def test_selective_recompute_every_backend(pools, reference_loss, kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(backend="ddp", dp=2), dict(backend="fsdp", dp=2),
-                                dict(backend="fsdp", pp=2, micro_batches=2)],
+                                dict(backend="fsdp", pp=2, micro_batches=2), dict(backend="native", tp=2, micro_batch=4)],
                          ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
 def test_compile_every_backend_matches_eager(pools, reference_loss, kw):
     row = _row(pools, compile=True, **kw)
     assert math.isclose(row["loss_last"], reference_loss, rel_tol=COMPILE_RTOL)
     assert row["compile"] is True and row["compile_s"] > 0
+    for dim in ("tp", "pp", "dp"):  # compiled blocks send what eager ones send
+        for what in ("bytes", "ops"):
+            assert row[f"pred_comm_{what}_{dim}"] == pytest.approx(row[f"comm_{what}_{dim}"], abs=1e-6), (dim, what)
 
 
 @pytest.mark.slow
