@@ -284,6 +284,49 @@ def test_scaler_ranks_agree_on_skipping(pools):
     assert pools(2).call(_vote_on_rank, -1) == [(True, 8.0, 0), (True, 8.0, 0)]
 
 
+def _train_with_scaler_on_rank(cfg_dict: dict, init_scale: float, backoff: float, steps: int):
+    """A backend's trainer on CPU fp32 with the scaler its fp16-mixed __init__ would make on CUDA (fp16 is
+    refused on CPU): the trainer's own loss scaling, unscaling, vote and skip."""
+    import torch.distributed as dist
+    from bench.backends.registry import get_backend
+    from bench.distributed import ProcessGroups, init_from_env, shutdown
+    from bench.layout import Layout
+    from bench.training import RunContext
+    rank, _ = init_from_env(torch.device("cpu"))
+    try:
+        cfg = RunConfig.from_dict(cfg_dict)
+        groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
+        trainer = get_backend(cfg.backend).build(cfg, RunContext(cfg, groups, torch.device("cpu")))
+        trainer.scaler = LossScaler(group=dist.group.WORLD, init_scale=init_scale, backoff_factor=backoff)
+        losses = []
+        for step in range(steps):
+            loss = trainer.train(trainer.batch(step))
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, None if loss is None else loss.item())
+            losses.append(sum(v for v in every if v is not None) / sum(v is not None for v in every))
+        result = (losses, trainer.extras()["skipped_steps"], trainer.scaler.scale)
+        trainer.close()
+        return result
+    finally:
+        shutdown()
+
+
+@pytest.mark.parametrize("kw", [dict(backend="native", pp=2, micro_batches=2), dict(backend="ddp", dp=2),
+                                dict(backend="fsdp", dp=2)],
+                         ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_trainers_scale_unscale_and_skip(pools, kw):
+    cfg = RunConfig(model="tiny", **kw)
+    ref = reference(cfg)["losses"]
+    losses, skipped, scale = pools(2).call(_train_with_scaler_on_rank, cfg.to_dict(), 2.0**16, 0.5, 3)[0]
+    assert skipped == 0 and scale == 2.0**16
+    for got, want in zip(losses, ref):  # scaled by a power of two and back: the unscaled trajectory
+        assert math.isclose(got, want, rel_tol=LOSS_RTOL), (losses, ref)
+    # 2²⁰⁰ overflows fp32 in the first backward: that step is skipped on every rank, the scale backs off
+    losses, skipped, scale = pools(2).call(_train_with_scaler_on_rank, cfg.to_dict(), 2.0**200, 2.0**-100, 2)[0]
+    assert skipped == 1 and scale == 2.0**100
+    assert math.isclose(losses[0], ref[0], rel_tol=LOSS_RTOL)  # the reported loss is the unscaled one
+
+
 # --- bad input, sweeps, labels -------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,message", [
     (dict(backend="deepspeed", compile=True), r"^backend deepspeed: compile is not supported .*use backend native"),

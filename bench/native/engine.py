@@ -59,17 +59,15 @@ class NativeTrainer(Trainer):
         self.optimizer = make_optimizer(params)
         # fp16-mixed: tp/pp ranks hold other layers' gradients, ZeRO-1 ranks other shards
         self.scaler = loss_scaler(ctx, ranks_differ=cfg.tp > 1 or cfg.pp > 1 or cfg.zero > 0)
-        if self.scaler:
-            self.par.pipeline.loss_scale = self.scaler.scale
 
     def train(self, batch: Batch) -> torch.Tensor | None:
         self.par.data.zero_grad()
+        if self.scaler:
+            self.par.pipeline.loss_scale = self.scaler.scale  # this step's (backed off or grown by the last)
         losses = self.par.pipeline.run(batch)
         self.par.data.finish()
         optimizer_step(self.optimizer, self.scaler)
         self.par.data.after_step()
-        if self.scaler:
-            self.par.pipeline.loss_scale = self.scaler.scale  # the next step's (backed off or grown)
         return torch.stack(losses).sum() if losses else None  # on the device: summed, never read here
 
     def meter(self):
