@@ -187,8 +187,9 @@ def _options(caps: Capabilities, cfg) -> str | None:
         return f"ds_set applies to backend {_who('ds_set')} only, not {caps.name}"
     if getattr(cfg, "compile", False):
         if caps.compile is None:
+            able = [name for name, c in CAPABILITIES.items() if c.compile]
             return (f"backend {caps.name}: compile is not supported ({caps.no_compile_why}); "
-                    f"drop --compile, or use backend {_who('compile')}")
+                    f"drop --compile, or use backend {', '.join(able[:-1])} or {able[-1]}")
         if cfg.warmup < 1:  # compilation happens at the first call: it must not land in a timed step
             return "compile needs warmup ≥ 1 (the first step compiles, and is never timed); set --warmup 1 or more"
     return None
