@@ -1,6 +1,7 @@
 """`fsdp`: PyTorch FSDP2 (`fully_shard`) on the shared GPT, with DTensor TP and torch pipelining.
 
-Applied in the fixed order TP → PP → (recompute, compile) → DP (torchtitan-style), on one DeviceMesh built from our Layout:
+Applied in the fixed order TP → PP → (recompute, compile) → DP (torchtitan-style), on one DeviceMesh built
+from our Layout:
 - TP: `parallelize_module` on the mesh's tp dim: qkv and fc1 Colwise, proj and fc2 Rowwise (the fused
   qkv is laid out (kv_heads, group + 2, head_dim), so a contiguous Colwise shard is whole query groups
   with their K/V head; tp divides kv_heads, checked by RunConfig). Embedding,
