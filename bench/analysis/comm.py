@@ -1,6 +1,6 @@
 """Communication per step: every collective and send a rank issues, per parallel dimension.
 
-The counting convention is the worker's (`bench.metrics.comm`, DESIGN.md), so predictions and
+The counting convention is the worker's (`bench.metrics.comm`; the comm columns of bench/results/schema.py), so predictions and
 measurements compare exactly: payload per rank per optimizer step (all-reduce: its input;
 all-gather: its output; reduce-scatter: its input; send/recv: the bytes sent), averaged over all
 ranks; wire bytes as a ring moves them, all-reduce 2(n−1)/n, all-gather and reduce-scatter
