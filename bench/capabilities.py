@@ -57,8 +57,12 @@ class Capabilities:
     micro_batches_below_pp: bool = True
     """Runs gpipe / 1f1b with fewer micro-batches than stages (torch.distributed.pipelining does not)."""
     sequence_parallel: bool = False
-    recompute: tuple[str, ...] = ("none", "full")
-    """Activation recomputation modes."""
+    recompute: tuple[str, ...] = RECOMPUTE
+    """Activation recomputation modes (bench.surgery.apply_recompute)."""
+    compile: str | None = "torch.compile of each block (bench.surgery.compile_blocks)"
+    """How `--compile` is done, or None when it is not supported."""
+    no_compile_why: str = ""
+    """Why `--compile` is refused, for the message."""
     tied_embeddings_need_one: tuple[str, ...] = ()
     """Dimensions that must be 1 when the model ties its embedding to the head (the tie crosses that cut)."""
     fsdp_modes: tuple[str, ...] = ()
@@ -75,17 +79,21 @@ class Capabilities:
 
 CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (
     # Megatron-style TP × PP × DP with its own buckets and ZeRO-1 (bench/native).
-    Capabilities("native", zero=(0, 1), sequence_parallel=True, tied_embeddings_need_one=("pp",)),
+    # fp16-mixed: bench.loss_scale's dynamic scaler (native, fsdp, ddp).
+    Capabilities("native", zero=(0, 1), sequence_parallel=True, tied_embeddings_need_one=("pp",), dtypes=DTYPES,
+                 loss_scaler=True),
     # DeepSpeed: ZeRO 0-3; its PipelineEngine (1F1B, ZeRO ≤ 1); the native TP layers, which shard
     # embedding and head separately; its fp16 section scales the loss.
     Capabilities("deepspeed", zero=ZERO_STAGES, pipeline_zero=(0, 1), pipeline_engine="DeepSpeed's pipeline engine",
                  schedules=("1f1b",), virtual_stages=False, dtypes=DTYPES, loss_scaler=True,
-                 tied_embeddings_need_one=("tp",), ds_set=True),
+                 tied_embeddings_need_one=("tp",), ds_set=True, compile=None,
+                 no_compile_why="its engine owns the module's forward (ZeRO-3 parameter hooks, the pipeline "
+                                "engine's layers); torch.compile of blocks under it is untested here"),
     # FSDP2 (+ DTensor TP, torch.distributed.pipelining PP).
     Capabilities("fsdp", micro_batches_below_pp=False, tied_embeddings_need_one=("pp",), fsdp_modes=FSDP_MODES,
-                 fsdp_default="full"),
+                 fsdp_default="full", dtypes=DTYPES, loss_scaler=True),
     # torch DistributedDataParallel: data parallel only.
-    Capabilities("ddp", tp=False, pp=False, virtual_stages=False),
+    Capabilities("ddp", tp=False, pp=False, virtual_stages=False, dtypes=DTYPES, loss_scaler=True),
 )}
 BACKENDS = tuple(CAPABILITIES)
 
@@ -148,8 +156,10 @@ def _pipeline(caps: Capabilities, cfg) -> str | None:
 
 
 def _precision(caps: Capabilities, cfg) -> str | None:
-    if cfg.dtype in NEEDS_LOSS_SCALER and cfg.device == "cpu":  # no backend: CPU autocast has no fp16 scaler
-        return f"backend {caps.name}: dtype {cfg.dtype} is not supported on cpu; use bf16-mixed or fp32"
+    if cfg.dtype in NEEDS_LOSS_SCALER and cfg.device != "cuda":  # the scalers are CUDA's (bench.loss_scale)
+        auto = " (device auto may be cpu: fp16 needs an explicit --device cuda)" if cfg.device == "auto" else ""
+        return (f"backend {caps.name}: dtype {cfg.dtype} is not supported on cpu{auto}; use bf16-mixed or fp32, "
+                "or --device cuda on a GPU host")
     if cfg.dtype not in caps.dtypes:
         why = " (no loss scaling here)" if cfg.dtype in NEEDS_LOSS_SCALER else ""
         return (f"backend {caps.name} supports dtype {' and '.join(caps.dtypes)}, not {cfg.dtype}{why}; "
@@ -175,6 +185,13 @@ def _memory_and_sharding(caps: Capabilities, cfg) -> str | None:
 def _options(caps: Capabilities, cfg) -> str | None:
     if cfg.ds_set and not caps.ds_set:
         return f"ds_set applies to backend {_who('ds_set')} only, not {caps.name}"
+    if getattr(cfg, "compile", False):
+        if caps.compile is None:
+            able = [name for name, c in CAPABILITIES.items() if c.compile]
+            return (f"backend {caps.name}: compile is not supported ({caps.no_compile_why}); "
+                    f"drop --compile, or use backend {', '.join(able[:-1])} or {able[-1]}")
+        if cfg.warmup < 1:  # compilation happens at the first call: it must not land in a timed step
+            return "compile needs warmup ≥ 1 (the first step compiles, and is never timed); set --warmup 1 or more"
     return None
 
 

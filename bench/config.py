@@ -112,6 +112,8 @@ class RunConfig(BatchShape):
     dtype: str = _f("fp32", "training precision", DTYPES)
     sequence_parallel: bool = _f(False, "shard norm/dropout regions along the sequence (needs tp > 1)")
     recompute: str = _f("none", "activation recomputation", RECOMPUTE)
+    compile: bool = _f(False, "torch.compile each block (native, fsdp, ddp); the first warm-up step compiles "
+                              "(column compile_s), never a timed one")
     bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB", bounds=(0, 1 << 20, True))
     steps: int = _f(5, "timed optimizer steps", bounds=POSITIVE(MAX_STEPS))
     warmup: int = _f(2, "untimed optimizer steps before timing", bounds=NON_NEGATIVE(MAX_STEPS))

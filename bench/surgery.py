@@ -1,5 +1,6 @@
-"""Model surgery shared by every engine: cut the GPT into pipeline stages, recompute block activations,
-and materialise a module built on the meta device from `models.init_value`, one local part at a time.
+"""Model surgery shared by every engine: cut the GPT into pipeline stages, recompute activations (whole
+blocks or the attention core), compile each block, and materialise a module built on the meta device
+from `models.init_value`, one local part at a time.
 
 Every engine builds the plain GPT on meta (shapes, no memory), changes its structure there (tensor-parallel
 layers, a pipeline cut, DTensor sharding, ZeRO-3 partitions) and only then allocates. Each rank then
@@ -70,6 +71,71 @@ def recompute_blocks(module: nn.Module) -> nn.Module:
     from torch.distributed._composable.checkpoint_activation import checkpoint
     for block in [m for m in module.modules() if isinstance(m, Block)]:
         checkpoint(block)
+    return module
+
+
+def recompute_attention_cores(module: nn.Module) -> nn.Module:
+    """recompute=selective (Korthikanti et al. 2022, §4.2): only the attention core — softmax(QKᵀ)·V,
+    with its mask and dropout — is recomputed in backward; the outputs of every linear layer are kept.
+
+    The core's inputs Q, K, V and its output (the projection's input) stay saved, so what it drops is
+    what the core saves inside: the a·s² scores of an unfused attention, or, with a fused kernel (what
+    scaled_dot_product_attention runs here), only its log-sum-exp (bench.analysis.memory). The function
+    form of checkpoint, unlike the composable one, is traced by torch.compile as one region."""
+    from models.gpt import Attention
+    for attn in [m for m in module.modules() if isinstance(m, Attention)]:
+        if not isinstance(attn.core, _Recomputed):
+            attn.core = _Recomputed(attn.core)
+    return module
+
+
+class _Recomputed(nn.Module):
+    """A parameterless module whose activations are recomputed in backward (names below it unchanged:
+    it has no parameters)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def apply_recompute(module: nn.Module, mode: str) -> nn.Module:
+    """RunConfig.recompute on `module` (a GPT or a pipeline stage): none, selective or full. Apply after
+    tensor parallel and before data parallelism wraps the module (FSDP2 must see the recomputing blocks)."""
+    if mode == "full":
+        return recompute_blocks(module)
+    if mode == "selective":
+        return recompute_attention_cores(module)
+    return module
+
+
+def transform_blocks(module: nn.Module, cfg) -> nn.Module:
+    """What a RunConfig asks of every block of `module`: recomputation (`cfg.recompute`), then compilation
+    (`cfg.compile`). Every engine calls it once per model chunk, after tensor parallel and before data
+    parallelism wraps the chunk."""
+    apply_recompute(module, cfg.recompute)
+    if getattr(cfg, "compile", False):
+        compile_blocks(module)
+    return module
+
+
+# --- compilation ----------------------------------------------------------------------------------------
+def compile_blocks(module: nn.Module) -> nn.Module:
+    """compile=True: torch.compile each block in place, as torchtitan does (one graph per block, reused by
+    every block of the same shape; the loop, pipeline and collectives between blocks stay eager).
+
+    `Module.compile` keeps parameter names (torch.compile(module) would prefix `_orig_mod.`). Apply
+    after recomputation (the checkpoint is compiled with the block) and before data parallelism wraps
+    the module. Compilation happens at the first call: in the worker's warm-up, never in a timed step."""
+    import torch._dynamo
+    # A warm rank process runs many configs: forget the previous runs' graphs and guards, so they neither
+    # pile up to dynamo's recompile limit nor keep the old modules alive (inductor's on-disk cache stays).
+    torch._dynamo.reset()
+    for block in [m for m in module.modules() if isinstance(m, Block)]:
+        block.compile()
     return module
 
 

@@ -8,6 +8,7 @@ slow what they measure, so they are never timed; what they count per step is det
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 from contextlib import contextmanager
 
@@ -137,7 +138,7 @@ def _measure(cfg: RunConfig, ctx: RunContext) -> dict:
 def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer) -> dict:
     train = _with_fault(trainer.train, cfg, ctx.groups.rank) if cfg.fault != "none" else trainer.train
     try:
-        losses = [_value(train(trainer.batch(step))) for step in range(cfg.warmup)]
+        losses, warmup_s = _warm_up(train, trainer, cfg, ctx.device)
         timer = StepTimer(ctx.device)
         with PeakMemory(ctx.device) as mem:
             for step in range(cfg.warmup, cfg.warmup + cfg.steps):
@@ -154,14 +155,38 @@ def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer) -> dict:
         batch = trainer.batch(extra)
         with CommCounter(dim_of=ctx.groups.dim_of) as counter, HostSyncCounter() as syncs:
             train(batch)
+        extras = trainer.extras()
+        if cfg.compile:
+            extras["compile_s"] = compile_seconds(warmup_s, timer.times)
         return {"rank": ctx.groups.rank, "losses": losses, "times": timer.times, "peak_mem": mem.peak_bytes,
                 "peak_mem_reserved_bytes": mem.reserved_peak_bytes, "alloc_retries": mem.alloc_retries,
                 "host_syncs": syncs.total, "cuda_syncs": syncs.cuda_syncs,
-                "state": state, "comm": counter.totals(), "extras": trainer.extras(),
+                "state": state, "comm": counter.totals(), "extras": extras,
                 "peak_flops": peak_flops(ctx.device, cfg.dtype) if ctx.groups.rank == 0 else None,
                 "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
     finally:
         trainer.close()
+
+
+def _warm_up(train, trainer, cfg: RunConfig, device: torch.device) -> tuple[list[float], list[float]]:
+    """The untimed warm-up steps: their losses and wall-clock seconds (the device is waited for at the end
+    of each: these steps are not timed, and with `compile` the first of them compiles)."""
+    losses, seconds = [], []
+    for step in range(cfg.warmup):
+        batch = trainer.batch(step)
+        t0 = time.perf_counter()
+        losses.append(_value(train(batch)))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - t0)
+    return losses, seconds
+
+
+def compile_seconds(warmup_s: list[float], timed_s: list[float]) -> float:
+    """Time the warm-up spent beyond steady-state steps (the median timed step): compilation, on the first
+    step, and any recompilation after it."""
+    steady = statistics.median(timed_s)
+    return sum(max(0.0, s - steady) for s in warmup_s)
 
 
 def _value(loss: torch.Tensor | None) -> float | None:

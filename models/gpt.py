@@ -33,11 +33,29 @@ def rope(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+class AttentionCore(nn.Module):
+    """softmax(QKᵀ/√d + causal mask)·V: the part of attention that selective activation recomputation
+    recomputes in backward (Korthikanti et al. 2022). No parameters: a module only so that engines can
+    wrap it from outside (bench.surgery) without changing any parameter name."""
+
+    def __init__(self, group: int):
+        super().__init__()
+        self.group = group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, T, hd), k and v (B, nkv, T, hd) → (B, nh, T, hd)."""
+        # enable_gqa: query head i reads K/V head i // group (the order of Attention's flatten) without
+        # materialising repeated K/V, so backward saves K and V at their grouped size.
+        gqa = {"enable_gqa": True} if self.group > 1 else {}
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, device=None):
         super().__init__()
         self.head_dim, self.group, self.rope = cfg.head_dim, cfg.group, cfg.position == "rope"
         self.qkv = nn.Linear(cfg.hidden, cfg.qkv_out, bias=cfg.bias, device=device)
+        self.core = AttentionCore(cfg.group)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,11 +68,7 @@ class Attention(nn.Module):
             k, v = k.contiguous(), v.contiguous()  # fused output, so backward keeps K and V at kv_heads' size
         if self.rope:
             q, k = rope(q), rope(k)
-        # enable_gqa: query head i reads K/V head i // group (the order of the flatten above) without
-        # materialising repeated K/V, so backward saves K and V at their grouped size.
-        gqa = {"enable_gqa": True} if self.group > 1 else {}
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, **gqa)  # (B, nh, T, hd)
+        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

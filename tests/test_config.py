@@ -30,8 +30,9 @@ from bench.config import ConfigError, RunConfig
     # what a backend lacks (bench/capabilities.py), named with the fix
     (dict(backend="deepspeed", pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2),
      r"backend deepspeed: virtual_stages \(2\) > 1 is not supported .*use virtual_stages 1"),
-    (dict(backend="native", dtype="fp16-mixed", device="cuda"), r"not fp16-mixed \(no loss scaling here\); use bf16"),
-    (dict(backend="ddp", dtype="fp16-mixed", device="cuda"), r"backend ddp supports dtype fp32 and bf16-mixed"),
+    (dict(backend="native", dtype="fp16-mixed"), r"not supported on cpu \(device auto may be cpu: fp16 needs an explicit"),
+    (dict(backend="deepspeed", compile=True), r"backend deepspeed: compile is not supported .*drop --compile"),
+    (dict(compile=True, warmup=0), r"compile needs warmup ≥ 1"),
 ])
 def test_bad_configs_name_the_fields(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -42,9 +43,10 @@ def test_capabilities_answer_per_backend_without_building_anything():
     from bench.capabilities import CAPABILITIES, can_run, unsupported_reason
     interleaved = RunConfig(pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2)
     assert [b for b in CAPABILITIES if can_run(b, interleaved)] == ["native", "fsdp"]
-    fp16 = RunConfig(backend="deepspeed", dtype="fp16-mixed", device="cuda")  # DeepSpeed scales the loss
-    assert [b for b in CAPABILITIES if can_run(b, fp16)] == ["deepspeed"]
-    assert unsupported_reason(fp16, "ddp").startswith("backend ddp supports dtype fp32 and bf16-mixed")
+    fp16 = RunConfig(backend="deepspeed", dtype="fp16-mixed", device="cuda")  # every backend scales the loss
+    assert [b for b in CAPABILITIES if can_run(b, fp16)] == list(CAPABILITIES)
+    assert [b for b in CAPABILITIES if can_run(b, RunConfig(compile=True))] == ["native", "fsdp", "ddp"]
+    assert unsupported_reason(RunConfig(compile=True), "deepspeed").startswith("backend deepspeed: compile")
 
 
 def test_run_id_stable_and_repeat_aware():

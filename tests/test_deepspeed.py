@@ -98,7 +98,7 @@ def test_ds_set_overrides_dotted_keys_with_yaml_scalars():
     (dict(pp=2, zero=2), "zero=2 is incompatible with pipeline parallel"),
     (dict(pp=2, zero=3), "zero=3 is incompatible with pipeline parallel"),
     (dict(dtype="fp16-mixed", device="cpu"), "fp16"),
-    (dict(dtype="fp16-mixed"), "fp16 is not supported on cpu"),  # device auto: needs an explicit cuda
+    (dict(dtype="fp16-mixed"), "fp16-mixed is not supported on cpu"),  # device auto: needs an explicit cuda
     (dict(ds_set=("fp16.enabled=true",)), "fp16 is not supported on cpu"),
     (dict(ds_set=("zero_optimization.stage",)), "must look like KEY=VALUE"),
     (dict(ds_set=("zero_optimization..stage=1",)), "empty part"),
@@ -107,7 +107,7 @@ def test_ds_set_overrides_dotted_keys_with_yaml_scalars():
     (dict(ds_set=("train_batch_size=64",)), "contradicts the run's batch"),
     (dict(ds_set=("bf16=true", "bf16.enabled=true")), "'bf16' is True in the generated config, not a section"),
     (dict(pp=2, schedule="gpipe"), "runs 1f1b only"),
-    (dict(recompute="selective"), "recompute selective is not supported"),
+    (dict(compile=True), "compile is not supported"),
     (dict(model_overrides=("tie_embeddings=true",), tp=2), "tie_embeddings"),
 ])
 def test_bad_options_rejected_before_processes_start(kwargs, message):

@@ -93,7 +93,7 @@ def expected_comm(cfg: RunConfig) -> dict[str, float]:
     (dict(pp=2, schedule="interleaved", micro_batches=3), ["micro_batches (3)", "pp (2)"]),
     (dict(pp=2, schedule="interleaved", virtual_stages=4), ["layers (4)", "virtual_stages"]),
     (dict(virtual_stages=2, schedule="interleaved"), ["virtual_stages", "pp > 1"]),
-    (dict(recompute="selective"), ["selective"]),
+    (dict(dtype="fp16-mixed", device="cpu"), ["dtype fp16-mixed", "cpu"]),
     (dict(zero=2), ["zero"]),
 ])
 def test_impossible_layouts_fail_in_validation(kwargs, words):

@@ -32,7 +32,7 @@ import torch.nn as nn
 from bench.backends.deepspeed_config import final_config
 from bench.distributed import ProcessGroups, comm_backend
 from bench.metrics.memory import optimizer_tensors
-from bench.surgery import fill_from_init, materialize, meta_module, recompute_blocks
+from bench.surgery import fill_from_init, materialize, meta_module, transform_blocks
 from bench.training import Batch, RunContext, Trainer, make_optimizer
 from models import GPT, loss_fn
 
@@ -148,8 +148,7 @@ class _DeepSpeedTrainer(Trainer):
         self._comms_step: dict = {}
 
     def _initialize(self, model: nn.Module, mpu=None):
-        if self.ctx.cfg.recompute == "full":
-            recompute_blocks(model)
+        transform_blocks(model, self.ctx.cfg)  # recompute (compile is refused: bench.capabilities)
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
         self.engine, self.optimizer, _, _ = self.ds.initialize(
             model=model, optimizer=optimizer, config=self.config, mpu=mpu, dist_init_required=False)
@@ -194,6 +193,8 @@ class _DeepSpeedTrainer(Trainer):
     def extras(self) -> dict:
         out = {"ds_config": json.dumps(self.config, sort_keys=True), "tp_impl": self.tp_impl,
                "ds_optimizer": type(self.engine.optimizer).__name__}
+        if self.engine.fp16_enabled():  # DeepSpeed's own dynamic loss scaler (its fp16 section)
+            out["skipped_steps"] = self.engine.skipped_steps
         if self._comms_step:  # comms logger on (ds_set comms_logger.enabled=true): the last step's record
             out["ds_comms_logger"] = json.dumps(self._comms_step, sort_keys=True)
         return out

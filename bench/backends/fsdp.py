@@ -1,6 +1,7 @@
 """`fsdp`: PyTorch FSDP2 (`fully_shard`) on the shared GPT, with DTensor TP and torch pipelining.
 
-Applied in the fixed order TP → PP → (recompute) → DP (torchtitan-style), on one DeviceMesh built from our Layout:
+Applied in the fixed order TP → PP → (recompute, compile) → DP (torchtitan-style), on one DeviceMesh built
+from our Layout:
 - TP: `parallelize_module` on the mesh's tp dim: qkv and fc1 Colwise, proj and fc2 Rowwise (the fused
   qkv is laid out (kv_heads, group + 2, head_dim), so a contiguous Colwise shard is whole query groups
   with their K/V head; tp divides kv_heads, checked by RunConfig). Embedding,
@@ -15,7 +16,8 @@ Applied in the fixed order TP → PP → (recompute) → DP (torchtitan-style), 
              capped so at least 2 replicas remain (`hybrid_shape`)
     none     FSDP2's `replicate` (DDP semantics on FSDP2's machinery): no sharding, one gradient
              all-reduce per block group, the DDP-equivalent baseline inside this backend
-  recompute=full checkpoints every block (`bench.surgery.recompute_blocks`, which keeps parameter names).
+  recompute (selective: the attention core; full: every block) and compile (each block) come from
+  `bench.surgery.transform_blocks`, which keeps parameter names.
   bf16-mixed = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 compute and all-gathers,
   fp32 gradient reduction and fp32 master shards.
 
@@ -34,9 +36,10 @@ import torch
 import torch.nn as nn
 
 from bench.layout import Layout
+from bench.loss_scale import loss_scaler, optimizer_step
 from bench.metrics.memory import optimizer_tensors
 from bench.schedule import partition, rank_chunks
-from bench.surgery import cut_stages, materialize, meta_module, recompute_blocks
+from bench.surgery import cut_stages, materialize, meta_module, transform_blocks
 from bench.training import Batch, RunContext, Trainer, make_optimizer
 from models import GPT, loss_fn
 
@@ -136,15 +139,16 @@ class FSDPTrainer(Trainer):
         self.hybrid = (hybrid_shape(cfg.dp, dp_ranks_per_node(layout, rank)) if cfg.fsdp == "hybrid" else None)
         self.mesh = device_mesh(layout, ctx.device, self.hybrid)
         dp_mesh = self.mesh["dp_rep", "dp_shard"] if self.hybrid else self.mesh["dp"]
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if cfg.dtype == "bf16-mixed" else MixedPrecisionPolicy())
+        low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.dtype)
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+        # fp16-mixed: the ranks hold different shards (or layers), so they vote on skipping a step
+        self.scaler = loss_scaler(ctx, ranks_differ=cfg.fsdp != "none" or cfg.tp > 1 or cfg.pp > 1)
         self.stage_ids = self._stage_ids()
         self.chunks = self._cut_chunks()
         for chunk in self.chunks:
             if cfg.tp > 1:
                 apply_tp(chunk, self.mesh["tp"])
-            if cfg.recompute == "full":
-                recompute_blocks(chunk)
+            transform_blocks(chunk, cfg)  # recompute, compile
             apply_dp(chunk, cfg.fsdp, dp_mesh, mp)
             materialize(chunk, cfg.model_config, cfg.seed, ctx.device)
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
@@ -176,15 +180,21 @@ class FSDPTrainer(Trainer):
         stages = [tpp.PipelineStage(c, i, self.n_stages, self.ctx.device, group=group)
                   for c, i in zip(self.chunks, self.stage_ids)]
         if cfg.schedule == "interleaved":
-            return tpp.ScheduleInterleaved1F1B(stages, n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
+            return tpp.ScheduleInterleaved1F1B(stages, n_microbatches=cfg.micro_batches, loss_fn=self._loss)
         kind = {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[cfg.schedule]
-        return kind(stages[0], n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
+        return kind(stages[0], n_microbatches=cfg.micro_batches, loss_fn=self._loss)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss, whose backward it runs: scaled under fp16-mixed (`_pipeline_step` unscales
+        the value it reports)."""
+        loss = loss_fn(logits, targets)
+        return self.scaler.scale_loss(loss) if self.scaler else loss
 
     # --- training ----------------------------------------------------------------------------
     def train(self, batch: Batch) -> torch.Tensor | None:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._pipeline_step(batch) if self.schedule else self._local_step(batch)
-        self.optimizer.step()
+        optimizer_step(self.optimizer, self.scaler)
         return loss
 
     def _local_step(self, batch: Batch) -> torch.Tensor:
@@ -193,7 +203,7 @@ class FSDPTrainer(Trainer):
             if len(batch) > 1:  # reduce gradients once, after the last micro-batch
                 self.model.set_requires_gradient_sync(i == len(batch) - 1)
             loss = loss_fn(self.model(x), y) / len(batch)
-            loss.backward()
+            (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
             losses.append(loss.detach())
         return torch.stack(losses).sum()  # on the device: the worker reads it after the timed window
 
@@ -208,7 +218,10 @@ class FSDPTrainer(Trainer):
             self.schedule.step(target=y, losses=losses)
         else:
             self.schedule.step()
-        return torch.stack([l.detach().float() for l in losses]).mean() if losses else None
+        if not losses:
+            return None
+        mean = torch.stack([l.detach().float() for l in losses]).mean()
+        return mean / self.scaler.scale if self.scaler else mean  # the scale of this step's backward
 
     # --- measurement -------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -221,7 +234,8 @@ class FSDPTrainer(Trainer):
         rep, shard = self.hybrid or ((cfg.dp, 1) if cfg.fsdp == "none" else (1, cfg.dp))
         return {"fsdp_replicate": rep, "fsdp_shard": shard, "dp_impl": f"FSDP2 {cfg.fsdp}",
                 "tp_impl": "DTensor parallelize_module" if cfg.tp > 1 else None,
-                "pp_impl": f"torch.distributed.pipelining {cfg.schedule}" if cfg.pp > 1 else None}
+                "pp_impl": f"torch.distributed.pipelining {cfg.schedule}" if cfg.pp > 1 else None,
+                **({"skipped_steps": self.scaler.skipped} if self.scaler else {})}
 
     def close(self) -> None:
         reset_dtensor_caches()  # the next run in this process gets new groups

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from bench.loss_scale import loss_scaler, optimizer_step
 from bench.native.data import DataParallel
 from bench.native.pipeline import Pipeline, stage_layers_json
 from bench.native.tensor import apply_tensor_parallel
 from bench.schedule import partition, rank_chunks
-from bench.surgery import Stage, cut_stages, materialize, recompute_blocks
+from bench.surgery import Stage, cut_stages, materialize, transform_blocks
 from bench.training import Batch, RunContext, Trainer, make_optimizer
 from models import GPT
 
@@ -38,8 +39,7 @@ def parallelize(model: GPT, groups, cfg, device: torch.device, autocast_dtype=No
     parts = partition(model.cfg.layers, p * v)
     chunks = cut_stages(model, parts, rank_chunks(groups.coord.pp, p, v))
     for chunk in chunks:
-        if cfg.recompute == "full":
-            recompute_blocks(chunk)
+        transform_blocks(chunk, cfg)  # recompute, compile
         materialize(chunk, model.cfg, cfg.seed, device, tp_rank=tp_rank, tp=tp)
         if model.cfg.tie_embeddings and chunk.embed is not None and chunk.head is not None:
             chunk.head.weight = chunk.embed.tok.weight  # to_empty unties them
@@ -57,12 +57,16 @@ class NativeTrainer(Trainer):
         self.model = nn.ModuleList(self.par.chunks)
         params = self.par.data.shard_params() if cfg.zero else self.model.parameters()
         self.optimizer = make_optimizer(params)
+        # fp16-mixed: tp/pp ranks hold other layers' gradients, ZeRO-1 ranks other shards
+        self.scaler = loss_scaler(ctx, ranks_differ=cfg.tp > 1 or cfg.pp > 1 or cfg.zero > 0)
 
     def train(self, batch: Batch) -> torch.Tensor | None:
         self.par.data.zero_grad()
+        if self.scaler:
+            self.par.pipeline.loss_scale = self.scaler.scale  # this step's (backed off or grown by the last)
         losses = self.par.pipeline.run(batch)
         self.par.data.finish()
-        self.optimizer.step()
+        optimizer_step(self.optimizer, self.scaler)
         self.par.data.after_step()
         return torch.stack(losses).sum() if losses else None  # on the device: summed, never read here
 
@@ -73,7 +77,7 @@ class NativeTrainer(Trainer):
         return {"bubble_fraction": self.par.pipeline.meter.fraction,
                 "stage_layers": stage_layers_json(self.par.parts),
                 "dp_buckets": len(self.par.data.all_buckets),
-                "tp_impl": "native"}
+                "tp_impl": "native", **({"skipped_steps": self.scaler.skipped} if self.scaler else {})}
 
 
 def build(cfg, ctx: RunContext) -> Trainer:

@@ -107,6 +107,7 @@ class Pipeline:
         self.act_dtype = autocast_dtype or torch.float32
         # test-only (fault stage_sleep:MS): every compute section also sleeps, so stage compute dominates
         self.stage_sleep_s = (parse_fault(run_cfg.fault).get("stage_sleep") or 0.0) / 1e3
+        self.loss_scale = 1.0  # fp16-mixed: the trainer's dynamic loss scale (bench.loss_scale)
 
     def _test_delay(self) -> None:
         if self.stage_sleep_s:
@@ -165,6 +166,8 @@ class Pipeline:
         grad = None
         if sid != self.last_sid:
             grad = self.comm.recv_backward(out.shape, out.dtype, self.device, chunk)
+        elif self.loss_scale != 1.0:
+            out = out * self.loss_scale  # backward of the scaled loss: every gradient × scale
         with self.meter.compute():
             torch.autograd.backward(out, grad)
             self._test_delay()

@@ -1,6 +1,7 @@
 """Short human names for configs and columns, shared by the report, compare and history."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import fields
 
@@ -51,10 +52,25 @@ def config_label(row) -> str:
             parts.append(fmt.format(value))
     if str(row.get("sequence_parallel")).lower() == "true":
         parts.append("sp")
+    if str(row.get("compile")).lower() == "true":
+        parts.append("compiled")
+    parts += _overrides(row.get("model_overrides"))
     bucket = row.get("bucket_mb")
     if present(bucket) and float(bucket) != DEFAULTS["bucket_mb"]:
         parts.append(f"bucket {float(bucket):g} MiB")
     return " ".join(parts)
+
+
+def _overrides(value) -> list[str]:
+    """Model overrides as `key=value` parts (`kv_heads=2`): a row stores them as a JSON list."""
+    if not present(value):
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return [value]
+    return [str(v) for v in value]
 
 
 def add_labels(df: pd.DataFrame) -> pd.DataFrame:

@@ -242,6 +242,10 @@ DECLARED: list[Column | Family] = [
     # backend extras (Trainer.extras)
     _measured("bubble_fraction", "float", "fraction", "native pipeline: idle / (busy + idle) on one extra metered step",
               "mean", Compare.LOWER, floor=0.02, always=False),
+    _measured("compile_s", "float", "s", "compile: seconds the warm-up steps took beyond the median timed step "
+              "(torch.compile of each block; never inside a timed step)", "max", always=False),
+    _measured("skipped_steps", "float", "", "fp16-mixed: optimizer steps the dynamic loss scaler skipped (inf/NaN "
+              "gradients), warm-up and every extra step included", "max", always=False),
     Column("stage_layers", "str", "native: layers of each pipeline stage, in pipeline order (JSON list)",
            Kind.CONFIG, ranks="rank0", always=False),
     Column("dp_buckets", "float", "native: gradient buckets of the data-parallel all-reduce", Kind.CONFIG,
