@@ -175,21 +175,52 @@ PRED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes
              "bubble_fraction", "flops_per_step")
 
 
-def predict_row(cfg) -> dict:
+def predict_row(cfg, device_name: str | None = None) -> dict:
     """`pred_*` columns for a measured row: the backend's own precision convention and this
-    suite's activations (no dropout, fused attention). Never raises: a row is worth more than
-    its prediction (a failure is recorded in `pred_error`)."""
+    suite's activations (no dropout, fused attention), and the step time on the profile of the device
+    it ran on (`row_hardware`). Never raises: a row is worth more than its prediction (a failure is
+    recorded in `pred_error`)."""
     try:
-        return _predict_row(cfg)
+        return _predict_row(cfg, device_name)
     except Exception as e:  # noqa: BLE001
         return {"pred_error": f"{type(e).__name__}: {e}"}
 
 
-def _predict_row(cfg) -> dict:
-    est = estimate(cfg, mixed_state=default_mixed_state(cfg), activations="suite")
+def row_hardware(device_name: str | None) -> Hardware | None:
+    """The profile a row is predicted on: the CUDA device's (a calibrated one of that name first), on
+    CPU `cpu` (the calibrated one when `bench calibrate` wrote it, else the built-in)."""
+    from bench.analysis.hardware import profile_for_device
+    if not device_name or device_name == "cpu":
+        return get_hardware("cpu")
+    base = profile_for_device(device_name)
+    return get_hardware(base.name) if base else None
+
+
+TIME_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "overhead_s", "comm_exposed_s", "comm_exposed_tp_s",
+             "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s", "optimizer_s")
+
+
+def _predict_row(cfg, device_name: str | None = None) -> dict:
+    state = default_mixed_state(cfg)
+    est = estimate(cfg, mixed_state=state, activations="suite")
     out = {f"pred_{k}": est[k] for k in PRED_KEYS}
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes"):  # max over ranks,
         out[f"pred_{k}"] = max(s[k] for s in est["stages"])  # per column, as the measured row
     for name in comm_columns():
         out[f"pred_{name}"] = est[name]
+    hw = row_hardware(device_name)
+    if hw is not None:
+        t = predict_time(stage_plan(cfg), hw, state, "suite")
+        t["comm_exposed_s"] = t["exposed_comm_s"]
+        out.update({f"pred_{k}": t[k] for k in TIME_KEYS})
+        out["pred_hardware"] = hw.name + (" (calibrated)" if hw.calibration else " (datasheet)")
     return out
+
+
+def prediction_error(row: dict) -> dict:
+    """How far the predicted step time is from the measured one (pred / measured − 1)."""
+    pred, measured = row.get("pred_step_time_s"), row.get("step_time_s")
+    if not pred or not measured:
+        return {}
+    err = pred / measured - 1
+    return {"pred_step_time_error": err, "pred_step_time_abs_error": abs(err)}
