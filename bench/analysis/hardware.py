@@ -49,7 +49,9 @@ class Hardware:
     memory_bw: float = 0.0
     """Device memory bandwidth, bytes/s (HBM datasheet); 0: memory-bound work is not modelled."""
     matmul_efficiency: float = 0.0
-    """Fraction of the peak a large matmul sustains; 0: use compute_efficiency."""
+    """Fraction of the peak the best-shaped matmul reaches in a burst; 0: use compute_efficiency."""
+    sustained_clock: float = 1.0
+    """Share of that burst rate a board saturated at its power limit holds (training is one long run)."""
     calibration: Calibration | None = None
     """Measured on the machine by `bench calibrate` (then it replaces the figures above)."""
 
@@ -58,27 +60,35 @@ class Hardware:
 
     @property
     def large_matmul_efficiency(self) -> float:
-        return self.matmul_efficiency or self.compute_efficiency
+        return (self.matmul_efficiency or self.compute_efficiency) * self.sustained_clock
 
 
 GiB = 1024**3
-MATMUL_EFFICIENCY = 0.8
-"""Share of the dense tensor-core peak a large bf16 GEMM sustains on A100/H100 without calibration
-(NVIDIA's "Matrix Multiplication Background" guide plots ~250 of 312 TFLOP/s for large A100 GEMMs);
-the shape's tile and wave quantisation come on top (bench.analysis.time_model). One figure for every
-model and layout, replaced by the measured curve of `bench calibrate` when a profile has one."""
+# Share of the dense bf16 peak the best-shaped matmul reaches, measured ("Maximum Achievable Matmul
+# FLOPS", S. Bekman, ml-engineering, compute/accelerator/README.md, MAMF table, CUDA 12.1, mean of 100
+# iterations): A100 SXM 267.9 of 312 TFLOP/s, H100 SXM 792.1 of 989. H200 has H100's compute die ("H200
+# is the same" in that table's later version): it takes H100's figure.
+MAMF = {"a100-80gb": 267.9 / 312, "h100-sxm": 792.1 / 989, "h200": 792.1 / 989}
+# MAMF is a burst: a short run at the boost clock. A saturated board holds less (power limit): the same
+# source measures the sustained rate (MSMF) of an H200 at 755 TFLOP/s against its MAMF of 834 ("it's the
+# one to use for training, which is one long saturated run"). No MSMF is published for A100 or H100:
+# they take H200's measured ratio. `bench calibrate` on the machine replaces all of this.
+SUSTAINED = 755 / 834
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
     # NVIDIA A100 datasheet (SXM 80GB): 312 TFLOP/s dense bf16/fp16, 19.5 fp32, HBM2e 2,039 GB/s;
     # NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; HDR InfiniBand 200 Gb/s per GPU.
     Hardware("a100-80gb", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GiB, 300e9, 25e9,
-             match=("A100",), memory_bw=2039e9, matmul_efficiency=MATMUL_EFFICIENCY),
+             match=("A100",), memory_bw=2039e9, matmul_efficiency=MAMF["a100-80gb"],
+             sustained_clock=SUSTAINED),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense bf16, 67 fp32, HBM3 3.35 TB/s;
     # NVLink 4: 900 GB/s bidirectional; NDR InfiniBand 400 Gb/s per GPU.
     Hardware("h100-sxm", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GiB, 450e9, 50e9,
-             match=("H100",), memory_bw=3.35e12, matmul_efficiency=MATMUL_EFFICIENCY),
+             match=("H100",), memory_bw=3.35e12, matmul_efficiency=MAMF["h100-sxm"],
+             sustained_clock=SUSTAINED),
     # NVIDIA H200 datasheet (SXM): H100's compute, 141 GB HBM3e at 4.8 TB/s.
     Hardware("h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GiB, 450e9, 50e9,
-             match=("H200",), memory_bw=4.8e12, matmul_efficiency=MATMUL_EFFICIENCY),
+             match=("H200",), memory_bw=4.8e12, matmul_efficiency=MAMF["h200"],
+             sustained_clock=SUSTAINED),
     # Measured on this machine (2 cores, 24 GiB, torch 2.13 CPU, one thread per rank) by the script
     # quoted in /work/notes/issue-7.md: 512² matmul in one thread (fp32, bf16); gloo all-reduce of
     # 64 MiB between two processes (bus bandwidth) and of 4 bytes (latency). A "device" is one core;
@@ -136,7 +146,8 @@ def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
         out["calibration"] = calibration_from_dict(data["calibration"], where)
     out["peak_flops"] = {k: parse_quantity(v, f"peak_flops.{k}") for k, v in data["peak_flops"].items()}
     for key in ("memory_bytes", "intra_node_bw", "inter_node_bw", "intra_node_latency_s",
-                "inter_node_latency_s", "compute_efficiency", "memory_bw", "matmul_efficiency"):
+                "inter_node_latency_s", "compute_efficiency", "memory_bw", "matmul_efficiency",
+                "sustained_clock"):
         if key in out:
             out[key] = parse_quantity(out[key], key)
             if out[key] < 0:

@@ -46,9 +46,10 @@ SUITE_OPS = {"fp32": (33, 61), "bf16": (39, 69)}  # (forward, backward)
 # Megatron-LM's fused kernels per layer, forward: 2 layernorms, 4 GEMMs + 2 batched GEMMs, fused
 # softmax, dropout, bias-gelu, 2 bias-dropout-adds (backward ≈ twice).
 TABLE2_OPS = (12, 24)
-# Adam with fp32 master weights reads and writes per parameter: master weight, m, v (3 × 8), reads
-# the gradient (4) and writes the low-precision copy (2), plus the gradient-norm read (4).
-ADAM_BYTES_PER_PARAM = 34
+# One optimizer step of mixed-precision Adam, bytes per parameter: the gradient norm reads the fp32
+# gradient (4); Adam reads weight, gradient, m, v and writes weight, m, v (28); the fp32 weight is cast
+# to the low-precision copy (4 + 2); the gradient buffer is zeroed (4).
+ADAM_BYTES_PER_PARAM = 42
 GPU_SMS = {"a100-80gb": 108, "h100-sxm": 132, "h200": 132}  # streaming multiprocessors (datasheets)
 TILE = (128, 256)  # output tile of the large bf16 GEMM kernels cuBLAS picks (M × N)
 
@@ -94,32 +95,42 @@ class Work:
         return Work(self.matmuls + other.matmuls, self.bytes + other.bytes, self.ops + other.ops)
 
 
+def backward_gemms(mms) -> tuple[Matmul, ...]:
+    """Each GEMM (M×K)·(K×N) needs two in backward: the input gradient (M×N)·(N×K) and the weight
+    gradient (K×M)·(M×N)."""
+    return tuple(g for mm in mms for g in (Matmul(mm.m, mm.n, mm.k, mm.batch), Matmul(mm.k, mm.m, mm.n, mm.batch)))
+
+
 def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
-    """(forward, backward, attention core) of one transformer layer for one micro-batch, tp rank."""
+    """(forward, backward, attention core forward) of one transformer layer for one micro-batch on one
+    tp rank. Memory-bound bytes count what each kernel reads and writes: forward y = f(x) reads x and
+    writes y; backward reads x (or y) and dy and writes dx."""
     mc, t = cfg.model_config, cfg.tp
     b, s, h, f = cfg.micro_batch, cfg.seq, mc.hidden, mc.ffn_hidden
     bs, hd, heads = b * s, mc.head_dim, mc.heads // t
     up = 2 * f if mc.activation == "swiglu" else f
     e = precision(cfg.dtype).act
-    core = Work((Matmul(s, hd, s, b * heads), Matmul(s, s, hd, b * heads)))
     gemms = (Matmul(bs, h, mc.qkv_out // t), Matmul(bs, h // t, h), Matmul(bs, h, up // t), Matmul(bs, f // t, h))
-    x_ln = bs * h / (t if cfg.sequence_parallel else 1)  # norms and residual adds run on sequence shards
+    x = bs * h / (t if cfg.sequence_parallel else 1)  # norms and residual adds run on sequence shards
     ffn = bs * f / t
-    if impl == "table2":
+    if impl == "table2":  # Megatron-LM: scores materialised (QKᵀ, then AV), fused kernels, dropout masks of 1 byte
         scores = b * heads * s * s
-        soft = Work(core.matmuls, 2 * scores * e + (2 * e + 1) * scores)  # fused softmax; dropout (+1-byte mask)
-        norms_adds = 2 * (2 * x_ln * e) + 2 * (3 * e + 1) * x_ln  # layernorms, bias-dropout-adds
-        fwd = Work(gemms, norms_adds + 2 * ffn * e, TABLE2_OPS[0]) + soft
-        return fwd, Work(gemms * 2, 2 * fwd.bytes, TABLE2_OPS[1]) + core, soft
-    # suite: fp32 residual stream and norms, autocast casts of the norm outputs and weights, fused
-    # attention (its FLOPs in the core; causal: half the score blocks are skipped)
-    fused = Work(tuple(Matmul(mm.m, mm.k, mm.n // 2, mm.batch) for mm in core.matmuls))
-    key = dtype_key(cfg.dtype)
-    low = key != "fp32"
-    casts = (2 * x_ln * 6 + sum(mm.k * mm.n for mm in gemms) * 6) if low else 0
-    fwd = Work(gemms, 2 * (2 * x_ln * 4) + 2 * (3 * x_ln * 4) + 2 * ffn * e + casts, SUITE_OPS[key][0]) + fused
-    bwd = Work(gemms * 2 + fused.matmuls * 2, 2 * fwd.bytes, SUITE_OPS[key][1])
-    return fwd, bwd, fused
+        core = (Matmul(s, hd, s, b * heads), Matmul(s, s, hd, b * heads))
+        soft_f = 2 * e * scores + (2 * e + 1) * scores  # scale-mask-softmax; dropout
+        soft_b = 3 * e * scores + (2 * e + 1) * scores
+        fwd = Work(gemms + core, 2 * 2 * e * x + 2 * (3 * e + 1) * x + 2 * e * ffn + soft_f, TABLE2_OPS[0])
+        bwd = Work(backward_gemms(gemms + core), 2 * 3 * e * x + 2 * (2 * e + 1) * x + 3 * e * ffn + soft_b,
+                   TABLE2_OPS[1])
+        return fwd, bwd, Work(core, soft_f)
+    # suite: fp32 residual stream and norms, autocast casts of the norm outputs and the weights, fused
+    # attention (causal: the kernel skips the masked half of the score blocks)
+    core = (Matmul(s, hd, s // 2, b * heads), Matmul(s, s // 2, hd, b * heads))
+    low = dtype_key(cfg.dtype) != "fp32"
+    casts = (2 * x * 6 + sum(mm.k * mm.n for mm in gemms) * 6) if low else 0
+    ops = SUITE_OPS[dtype_key(cfg.dtype)]
+    fwd = Work(gemms + core, 2 * 2 * 4 * x + 2 * 3 * 4 * x + 2 * e * ffn + casts, ops[0])
+    bwd = Work(backward_gemms(gemms + core), 2 * 3 * 4 * x + 2 * 2 * 4 * x + 3 * e * ffn + casts, ops[1])
+    return fwd, bwd, Work(core)
 
 
 def head_work(cfg) -> Work:
@@ -198,7 +209,8 @@ def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_sta
         f, b, ops = f + dev.compute(embed_work(cfg)), b + 2 * dev.compute(embed_work(cfg)), ops + 12
     if rank.last:
         head = head_work(cfg)
-        f, b, ops = f + dev.compute(head), b + 2 * dev.compute(head), ops + 3 * head.ops
+        f, ops = f + dev.compute(head), ops + 3 * head.ops
+        b += dev.compute(Work(backward_gemms(head.matmuls), head.bytes))
     traffic = tuple(stage_traffic(plan, stage, mixed_state))
     if impl == "table2":
         traffic = megatron_traffic(cfg, rank, traffic)
