@@ -82,9 +82,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16-mixed"])
+    ap.add_argument("--calibrate", action="store_true",
+                    help="first run `bench calibrate --quick` into a temporary profiles folder, so that the profile "
+                         "sees the machine as loaded as the measurement does (a shared machine)")
     args = ap.parse_args()
     cfgs = configs(args.set, args.steps, args.warmup, args.dtype)
+    if args.calibrate:
+        calibrate_now(max(c.world for c in cfgs))
     print_table(cfgs, measure(cfgs))
+
+
+def calibrate_now(world: int) -> None:
+    import os
+    import tempfile
+
+    from bench.calibrate import calibrate, write_profile
+    folder = tempfile.mkdtemp(prefix="parabench-profiles-")
+    os.environ["PARABENCH_PROFILES"] = folder  # the rank pools started next inherit it
+    path = write_profile(calibrate(world, quick=True))
+    print(f"calibrated: {path}")
 
 
 if __name__ == "__main__":

@@ -127,9 +127,11 @@ def _print_estimate(est: dict) -> None:
         click.echo(f"  {dim}: {_gib(payload):>14} / {_gib(wire):>14}")
     click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")
     if "step_time_s" in est:
-        click.echo(f"on {est['hardware']} (links tp {est['links']['tp']}, pp {est['links']['pp']}, "
-                   f"dp {est['links']['dp']}): step {est['step_time_s']:.3f} s = compute {est['compute_s']:.3f} "
-                   f"+ exposed comm {est['exposed_comm_s']:.3f} + bubble {est['bubble_s']:.3f}")
+        click.echo(f"on {est['hardware']} ({'calibrated' if est['calibrated'] else 'datasheet'}; links tp "
+                   f"{est['links']['tp']}, pp {est['links']['pp']}, dp {est['links']['dp']}): step "
+                   f"{est['step_time_s']:.4g} s = compute {est['compute_s']:.4g} + overhead {est['overhead_s']:.4g} "
+                   f"+ exposed comm tp {est['comm_exposed_tp_s']:.4g} pp {est['comm_exposed_pp_s']:.4g} "
+                   f"dp {est['comm_exposed_dp_s']:.4g} + bubble {est['bubble_s']:.4g} + optimizer {est['optimizer_s']:.4g}")
         click.echo(f"  {est['tokens_per_s']:,.0f} tokens/s   MFU {est['mfu']:.1%}   "
                    f"{'fits' if est['fits'] else 'DOES NOT FIT'} in {_gib(est['memory_limit_bytes'])}")
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
-from bench.analysis.comm import Traffic, stage_traffic
+from bench.analysis.comm import Traffic, stage_traffic, wire_bytes
 from bench.analysis.hardware import Hardware, dtype_key
 from bench.analysis.memory import precision
 
@@ -168,7 +168,6 @@ class Device:
 def collective_time(tr: Traffic, hw: Hardware, bw: float, latency: float) -> float:
     """One op: the calibrated latency + ring wire bytes / measured bandwidth for its kind and group
     size, else the ring over the link (2(n−1) hops for all-reduce, n−1 for gather/scatter)."""
-    from bench.analysis.comm import wire_bytes
     n = tr.group
     if n <= 1 or tr.kind == "recv":
         return 0.0
@@ -196,28 +195,59 @@ class StageTime:
         return self.compute + self.overhead + self.tp + self.pp
 
 
-def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_state: str) -> StageTime:
-    cfg, rank, dev = plan.cfg, plan.ranks[stage], Device(hw, plan.cfg)
-    m = cfg.micro_batches
+@dataclass(frozen=True)
+class PartCosts:
+    """Seconds of one micro-batch on one tp rank: a layer's forward and backward (with recomputation),
+    the embedding's and the head's, and the ops of each (for the overhead)."""
+
+    layer_f: float
+    layer_b: float
+    layer_ops: int
+    embed_f: float
+    embed_b: float
+    head_f: float
+    head_b: float
+    head_ops: int
+
+
+_COSTS: dict = {}
+
+
+def part_costs(cfg, hw: Hardware, impl: str) -> PartCosts:
+    """Cached per (profile, shape of the work): the planner asks for the same layers thousands of times."""
+    key = (id(hw), cfg.model_config, cfg.tp, cfg.micro_batch, cfg.seq, cfg.sequence_parallel, cfg.dtype,
+           cfg.recompute, cfg.world, impl)
+    hit = _COSTS.get(key)
+    if hit is not None and hit[0] is hw:  # the profile is held by the entry: its id cannot be reused
+        return hit[1]
+    dev = Device(hw, cfg)
     fwd, bwd, core = layer_work(cfg, impl)
     redo = {"none": Work(), "selective": core, "full": fwd}[cfg.recompute]
-    layer_f, layer_b = dev.compute(fwd), dev.compute(bwd) + dev.compute(redo)
-    f = rank.layers * layer_f
-    b = rank.layers * layer_b
-    ops = rank.layers * (fwd.ops + bwd.ops + redo.ops)
+    embed, head = embed_work(cfg), head_work(cfg)
+    costs = PartCosts(dev.compute(fwd), dev.compute(bwd) + dev.compute(redo), fwd.ops + bwd.ops + redo.ops,
+                      dev.compute(embed), 2 * dev.compute(embed), dev.compute(head),
+                      dev.compute(Work(backward_gemms(head.matmuls), head.bytes)), 3 * head.ops)
+    if len(_COSTS) > 65536:
+        _COSTS.clear()
+    _COSTS[key] = (hw, costs)
+    return costs
+
+
+def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_state: str) -> StageTime:
+    cfg, rank = plan.cfg, plan.ranks[stage]
+    m, c = cfg.micro_batches, part_costs(plan.cfg, hw, impl)
+    f, b, ops = rank.layers * c.layer_f, rank.layers * c.layer_b, rank.layers * c.layer_ops
     if rank.first:
-        f, b, ops = f + dev.compute(embed_work(cfg)), b + 2 * dev.compute(embed_work(cfg)), ops + 12
+        f, b, ops = f + c.embed_f, b + c.embed_b, ops + 12
     if rank.last:
-        head = head_work(cfg)
-        f, ops = f + dev.compute(head), ops + 3 * head.ops
-        b += dev.compute(Work(backward_gemms(head.matmuls), head.bytes))
+        f, b, ops = f + c.head_f, b + c.head_b, ops + c.head_ops
     traffic = tuple(stage_traffic(plan, stage, mixed_state))
     if impl == "table2":
         traffic = megatron_traffic(cfg, rank, traffic)
     per_mb = [tr for tr in traffic if tr.per == "micro-batch"]
     tp = sum(collective_time(tr, hw, *links["tp"]) * tr.ops for tr in per_mb if tr.dim == "tp")
     pp = sum(collective_time(tr, hw, *links["pp"]) * tr.ops for tr in per_mb if tr.dim == "pp")
-    return StageTime(m * (f + b), m * dev.overhead(Work((), 0, ops)), tp, pp, b, traffic)
+    return StageTime(m * (f + b), m * Device(hw, cfg).overhead(Work((), 0, ops)), tp, pp, b, traffic)
 
 
 def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:
