@@ -19,7 +19,8 @@ Per step (the busiest pipeline rank sets the pace):
                 micro-batch's backward where the backend buckets them (native, ddp, fsdp) and the last
                 bucket is always exposed; DeepSpeed reduces after backward (exposed); per-micro-batch
                 ZeRO-3/FSDP gathers are prefetched one layer ahead, exposed where a layer's compute is
-                shorter than its gather, and the first gather always
+                shorter than its gather, and the first gather always. On a CPU whose cores the ranks
+                fill, nothing overlaps (gloo runs on the ranks' cores: `can_overlap`)
     optimizer   local optimizer-state parameters × cost per parameter (calibrated, else Adam's bytes
                 over the memory bandwidth)
     step        busy + bubble + dp exposed + optimizer + per-step tp/pp collectives
@@ -268,6 +269,16 @@ def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:
     return tuple(out)
 
 
+def can_overlap(cfg, hw: Hardware) -> bool:
+    """Communication hides behind compute only where something else runs it: a GPU's copy engines and
+    NCCL's own SMs, or a CPU core no rank computes on. Gloo moves the bytes on the ranks' own cores, so
+    when the ranks fill the machine's cores the collective takes its time from compute."""
+    cal = hw.calibration
+    if cal is None or cal.machine.get("device", "cpu") != "cpu":
+        return True
+    return cfg.world < int(cal.machine.get("cores") or 1)
+
+
 def dp_exposed(cfg, st: StageTime, hw: Hardware, link: tuple) -> float:
     """Data-parallel time not hidden behind compute (see the module docstring)."""
     items = [tr for tr in st.traffic if tr.dim == "dp"]
@@ -277,12 +288,14 @@ def dp_exposed(cfg, st: StageTime, hw: Hardware, link: tuple) -> float:
     if gathers:  # prefetched one layer ahead: the first is exposed, each other one beyond its layer's compute
         per_gather, behind = gathers / ops_mb, st.compute / ops_mb
         exposed = per_gather + (ops_mb - 1) * max(0.0, per_gather - behind)
+    if gathers and not can_overlap(cfg, hw):
+        exposed = gathers
     step = [tr for tr in items if tr.per == "step"]
     total = sum(collective_time(tr, hw, *link) * tr.ops for tr in step)
     if not total:
         return exposed
-    if cfg.backend == "deepspeed":  # reduced at the accumulation boundary, after backward
-        return exposed + total
+    if cfg.backend == "deepspeed" or not can_overlap(cfg, hw):  # DeepSpeed reduces at the accumulation
+        return exposed + total  # boundary, after backward
     last = max(collective_time(tr, hw, *link) for tr in step)  # the last bucket waits for the last layer
     return exposed + max(last, total - st.last_backward)
 
