@@ -30,10 +30,15 @@ from bench.analysis.hardware import PROFILES, Calibration, Hardware, hardware_to
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 
-def plan_sizes(quick: bool) -> dict:
-    """What to measure: fewer shapes, sizes and shorter timing windows with --quick."""
+def plan_sizes(quick: bool, cuda: bool = False) -> dict:
+    """What to measure: fewer shapes, sizes and shorter timing windows with --quick; on a GPU the shapes
+    and messages of a GPU's work (up to 8192² matmuls, 256 MiB messages, 256 MiB elementwise tensors)."""
+    if cuda:
+        return {"matmul": (256, 1024, 4096) if quick else (128, 256, 512, 1024, 2048, 4096, 8192),
+                "window_s": 0.05 if quick else 0.2, "elementwise": 1 << 26,
+                "comm_bytes": (4, 1 << 26) if quick else (4, 1 << 22, 1 << 28)}
     return {"matmul": (32, 128, 512) if quick else (16, 32, 64, 128, 256, 512, 1024),
-            "window_s": 0.03 if quick else 0.12,
+            "window_s": 0.03 if quick else 0.12, "elementwise": 1 << 20,
             "comm_bytes": (4, 1 << 20) if quick else (4, 1 << 18, 1 << 22)}
 
 
@@ -151,7 +156,7 @@ def measure_compute(sizes: dict) -> dict | None:
     if int(os.environ.get("RANK", 0)) != 0:
         return None
     w = sizes["window_s"]
-    return {"matmul": matmul_curve(sizes["matmul"], w), "memory_bw": memory_bandwidth(w),
+    return {"matmul": matmul_curve(sizes["matmul"], w), "memory_bw": memory_bandwidth(w, sizes["elementwise"]),
             "op_overhead_s": op_overhead(w), "optimizer_s_per_param": optimizer_cost(w)}
 
 
@@ -239,7 +244,7 @@ def machine() -> dict:
 def calibrate(world: int = 2, quick: bool = False, name: str | None = None, progress=None) -> Hardware:
     """Measure this machine on `world` ranks; returns the calibrated profile (not yet written)."""
     from bench.spawn import RankPool
-    sizes = plan_sizes(quick)
+    sizes = plan_sizes(quick, _cuda_available())
     groups = sorted({g for g in (2, 4, 8, world) if 2 <= g <= world})
     steps = 1 + world + len(groups)
     tick = progress or (lambda what: None)
@@ -265,6 +270,11 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
     info.update(quick=quick, world=world, steps=steps)
     cal = Calibration(machine=info, collectives=colls, oversubscription=slow, **compute)
     return profile_from(cal, name)
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def profile_from(cal: Calibration, name: str | None) -> Hardware:

@@ -64,15 +64,15 @@ class Hardware:
 
 
 GiB = 1024**3
-# Share of the dense bf16 peak the best-shaped matmul reaches, measured ("Maximum Achievable Matmul
-# FLOPS", S. Bekman, ml-engineering, compute/accelerator/README.md, MAMF table, CUDA 12.1, mean of 100
-# iterations): A100 SXM 267.9 of 312 TFLOP/s, H100 SXM 792.1 of 989. H200 has H100's compute die ("H200
-# is the same" in that table's later version): it takes H100's figure.
-MAMF = {"a100-80gb": 267.9 / 312, "h100-sxm": 792.1 / 989, "h200": 792.1 / 989}
-# MAMF is a burst: a short run at the boost clock. A saturated board holds less (power limit): the same
-# source measures the sustained rate (MSMF) of an H200 at 755 TFLOP/s against its MAMF of 834 ("it's the
-# one to use for training, which is one long saturated run"). No MSMF is published for A100 or H100:
-# they take H200's measured ratio. `bench calibrate` on the machine replaces all of this.
+# Share of the dense bf16 peak the best-shaped matmul reaches in a burst, measured ("Maximum Achievable
+# Matmul FLOPS", S. Bekman, ml-engineering, compute/accelerator/README.md, MAMF table: A100 SXM 267.9 of
+# 312 TFLOP/s, H100 SXM 792.1 of 989; the same project's "Counting FLOPs" video script, whose numbers
+# come from that README's MAMF/MSMF tables: H200 834 of 989).
+MAMF = {"a100-80gb": 267.9 / 312, "h100-sxm": 792.1 / 989, "h200": 834 / 989}
+# A saturated board holds less than a burst (its power limit pulls the clock down): the sustained rate
+# (MSMF) of that H200 is 755 TFLOP/s, "the one to use for training, which is one long saturated run".
+# No MSMF is published for A100 or H100: they take H200's measured ratio. `bench calibrate` on the
+# machine replaces both figures with the measured curve.
 SUSTAINED = 755 / 834
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
     # NVIDIA A100 datasheet (SXM 80GB): 312 TFLOP/s dense bf16/fp16, 19.5 fp32, HBM2e 2,039 GB/s;
@@ -141,6 +141,9 @@ def hardware_from_dict(data: dict, where: str = "profile") -> Hardware:
     if not isinstance(data["peak_flops"], dict) or "fp32" not in data["peak_flops"]:
         raise ValueError(f"{where}: peak_flops must map dtypes to FLOP/s and include fp32, "
                          "e.g. {bf16: 989T, fp32: 67T}")
+    for k, v in data["peak_flops"].items():
+        if parse_quantity(v, f"peak_flops.{k}") <= 0:
+            raise ValueError(f"{where}: peak_flops.{k} is {v!r}; a peak is > 0 (fix or remove it)")
     out = dict(data, source=data.get("source", where), match=tuple(data.get("match", ())))
     if data.get("calibration") is not None:
         out["calibration"] = calibration_from_dict(data["calibration"], where)
