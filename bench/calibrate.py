@@ -8,7 +8,7 @@ groups of 2..world ranks (each group its own default group: ranks beyond it sit 
 
     matmul            FLOP/s by dtype over square shapes (the efficiency curve)
     memory_bw         bytes/s of elementwise and norm kernels (add, layer norm, GELU; the median)
-    op_overhead_s     one op of a forward + backward chain on a one-element tensor (dispatch, autograd)
+    op_overhead_s     one aten op of forward + backward through tiny modules (module call, dispatch, autograd)
     optimizer         one AdamW step with gradient clipping, per parameter
     collectives       latency (4-byte op) and bandwidth (large op, ring wire bytes) per op and group
     oversubscription  k ranks' matmul time / one rank's
@@ -110,18 +110,20 @@ def memory_bandwidth(window_s: float, n: int = 1 << 20) -> float:
     return statistics.median(rates)
 
 
-def op_overhead(window_s: float, chain: int = 64) -> float:
-    """Seconds per aten op of a forward + backward chain whose tensors are one element."""
+def op_overhead(window_s: float, blocks: int = 8) -> float:
+    """Seconds per aten op of forward + backward through a stack of tiny modules (Linear, GELU,
+    LayerNorm on 2×16 tensors): the work is nothing, so what is left is what every op of a model
+    costs on the host (module call, dispatch, autograd, allocation)."""
     import torch
+    from torch import nn
     from torch.utils._python_dispatch import TorchDispatchMode
     dev = _device()
-    x = torch.ones(1, device=dev, requires_grad=True)
+    model = nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16))])
+    model.to(dev)
+    x = torch.randn(2, 16, device=dev)
 
     def step():
-        y = x
-        for _ in range(chain):
-            y = y * 1.0001
-        y.backward()
+        model(x).sum().backward()
 
     class Count(TorchDispatchMode):
         ops = 0
