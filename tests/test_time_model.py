@@ -25,13 +25,12 @@ def bench(*args, env=None):
 
 # --- published runs -------------------------------------------------------------------------------
 def test_korthikanti_error_budget():
-    """Table 5 times and Figure 1 memory. Issue 11's target for the times is a mean |error| below
-    Calculon's 3.65 % and none above 8 %; datasheet figures and published matmul measurements reach
-    4.2 % and 8.5 % (22B, the one run without a pipeline, is the outlier): this budget keeps that from
-    getting worse. Memory: every entry within 5 %."""
+    """Table 5 times and Figure 1 memory. Issue 11's target for the times: mean |error| below Calculon's
+    3.65 %, none above 8 %. Datasheet figures and the published matmul measurements reach 3.66 % and
+    6.9 % (every time within 7 %); this budget keeps them there. Memory: every entry within 5 %."""
     s = validate()["summary"]
-    assert s["time"]["entries"] == 8 and s["time"]["mean_abs_error"] < 0.045, s["time"]
-    assert s["time"]["max_abs_error"] <= 0.09, s["time"]
+    assert s["time"]["entries"] == 8 and s["time"]["mean_abs_error"] < 0.0375, s["time"]
+    assert s["time"]["max_abs_error"] <= 0.07, s["time"]
     for kind in ("state_memory", "activation_memory"):
         assert s[kind]["max_abs_error"] <= 0.05, (kind, s[kind])
 
@@ -175,3 +174,13 @@ def test_interrupted_write_leaves_the_old_profile(tmp_path):
     with pytest.raises(Exception):
         write_profile(replace(hw, peak_flops={"fp32": object()}), path)  # fails half-way through the dump
     assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["a.yaml"]
+
+
+def test_a_measured_row_carries_its_predicted_time(pools):
+    row = pools(2).run(RunConfig(model="tiny", dp=2, steps=2, warmup=1))
+    assert row["status"] == "ok", row["error"]
+    assert row["pred_hardware"].startswith("cpu (") and row["pred_step_time_s"] > 0
+    assert row["pred_step_time_s"] == pytest.approx(sum(row[f"pred_{t}"] for t in TERMS))
+    assert row["pred_step_time_error"] == pytest.approx(row["pred_step_time_s"] / row["step_time_s"] - 1)
+    assert row["pred_step_time_abs_error"] == pytest.approx(abs(row["pred_step_time_error"]))
+    assert 0 < row["pred_mfu"] < 1 and row["pred_tokens_per_s"] > 0

@@ -255,7 +255,8 @@ def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:
     """What Megatron-LM moves beyond this suite's native engine (which counts what it runs itself):
     without sequence parallel its pipeline sends 1/t of each activation and all-gathers it over the
     tp group on arrival (PTD-P §4.1, scatter/gather); with it, backward all-gathers the sequence-sharded
-    inputs of the qkv and fc1 GEMMs again for their weight gradients (they are not kept gathered)."""
+    inputs of the qkv, fc1 and head GEMMs again for their weight gradients (they are not kept gathered); full
+    recomputation re-runs every forward collective of the layer."""
     t, out = cfg.tp, []
     for tr in traffic:
         if tr.dim == "pp" and tr.kind == "send" and not cfg.sequence_parallel and t > 1:
@@ -263,9 +264,13 @@ def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:
                     Traffic("tp", "all_gather", tr.payload, tr.ops, t, "scatter/gather of a pipeline send")]
         else:
             out.append(tr)
+    x = cfg.micro_batch * cfg.seq * cfg.model_config.hidden * precision(cfg.dtype).comm_fwd
     if cfg.sequence_parallel and t > 1:
-        x = cfg.micro_batch * cfg.seq * cfg.model_config.hidden * precision(cfg.dtype).comm_fwd
-        out.append(Traffic("tp", "all_gather", x, 2 * rank.layers * cfg.micro_batches, t, "re-gathered GEMM inputs"))
+        gemms = 2 * rank.layers + (1 if rank.last else 0)  # qkv and fc1 of each layer, the head
+        out.append(Traffic("tp", "all_gather", x, gemms * cfg.micro_batches, t, "re-gathered GEMM inputs"))
+    if cfg.recompute == "full" and t > 1:  # its checkpoint re-runs the whole layer, the MLP's exit collective
+        exit_op = "reduce_scatter" if cfg.sequence_parallel else "all_reduce"  # too (the native engine's stops before)
+        out.append(Traffic("tp", exit_op, x, rank.layers * cfg.micro_batches, t, "recomputed MLP exit"))
     return tuple(out)
 
 
