@@ -21,9 +21,9 @@ SETS = {
     "world2": [dict(backend="native", dp=2), dict(backend="native", tp=2), dict(backend="native", pp=2,
                schedule="1f1b", micro_batches=4), dict(backend="ddp", dp=2), dict(backend="fsdp", fsdp="full", dp=2),
                dict(backend="deepspeed", zero=1, dp=2), dict(backend="deepspeed", zero=3, dp=2)],
-    # the README's quickstart sweep (tiny, 4 ranks on 2 cores, and world 1)
-    "quickstart": [dict(dp=4), dict(tp=2, dp=2), dict(pp=2, dp=2, micro_batches=4), dict(tp=2, pp=2, micro_batches=4),
-                   dict()],
+    # the quickstart sweep's native layouts (sweeps/quickstart.yaml: tiny, micro-batch 2, global batch 8)
+    "quickstart": [dict(dp=4, micro_batches=1), dict(tp=2, dp=2, micro_batches=2), dict(pp=2, dp=2, micro_batches=2),
+                   dict(tp=2, pp=2, micro_batches=4), dict(micro_batches=4)],
 }
 MODEL = {"world2": "small", "quickstart": "tiny"}
 
