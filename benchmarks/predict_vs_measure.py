@@ -8,6 +8,7 @@ size (one thread per rank, as `bench run`); the prediction uses the calibrated `
     bench calibrate                                      # once per machine (< 2 min)
     .venv/bin/python benchmarks/predict_vs_measure.py
     .venv/bin/python benchmarks/predict_vs_measure.py --set quickstart   # 4 ranks of tiny on 2 cores
+    .venv/bin/python benchmarks/predict_vs_measure.py --calibrate --out results/predict && bench report results/predict
 """
 from __future__ import annotations
 
@@ -85,11 +86,18 @@ def main() -> None:
     ap.add_argument("--calibrate", action="store_true",
                     help="first run `bench calibrate --quick` into a temporary profiles folder, so that the profile "
                          "sees the machine as loaded as the measurement does (a shared machine)")
+    ap.add_argument("--out", default=None, help="also write the rows to OUT/runs/<run_id>.json (for `bench report OUT`)")
     args = ap.parse_args()
     cfgs = configs(args.set, args.steps, args.warmup, args.dtype)
     if args.calibrate:
         calibrate_now(max(c.world for c in cfgs))
-    print_table(cfgs, measure(cfgs))
+    rows = measure(cfgs)
+    print_table(cfgs, rows)
+    if args.out:
+        from bench.sweep.store import ResultStore
+        store = ResultStore(args.out)
+        for row in rows:
+            store.write(row)
 
 
 def calibrate_now(world: int) -> None:
