@@ -9,7 +9,7 @@ groups of 2..world ranks (each group its own default group: ranks beyond it sit 
     matmul            FLOP/s by dtype over square shapes (the efficiency curve)
     memory_bw         bytes/s of elementwise and norm kernels (add, layer norm, GELU; the median)
     op_overhead_s     one aten op of forward + backward through tiny modules (module call, dispatch, autograd)
-    optimizer         one AdamW step with gradient clipping, per parameter
+    optimizer         one AdamW step with gradient clipping, per parameter and per tensor
     collectives       latency (4-byte op) and bandwidth (large op, ring wire bytes) per op and group
     oversubscription  k ranks' matmul time / one rank's
 
@@ -137,20 +137,25 @@ def op_overhead(window_s: float, blocks: int = 8) -> float:
     return per_call(step, dev, window_s) / Count.ops
 
 
-def optimizer_cost(window_s: float, n: int = 1 << 21) -> float:
-    """Seconds per parameter of AdamW (the suite's optimizer) + gradient clipping, fp32 state."""
+def optimizer_cost(window_s: float, n: int = 1 << 21, small: int = 64) -> tuple[float, float]:
+    """(seconds per parameter, seconds per tensor) of AdamW (the suite's optimizer) + gradient clipping,
+    fp32 state: a few large tensors give the first, many one-element tensors the second."""
     import torch
     from bench.backends.base import make_optimizer
     dev = _device()
-    params = [torch.nn.Parameter(torch.randn(n // 8, device=dev)) for _ in range(8)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = make_optimizer(params)
 
-    def step():
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-    return per_call(step, dev, window_s) / n
+    def seconds(sizes):
+        params = [torch.nn.Parameter(torch.randn(k, device=dev)) for k in sizes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = make_optimizer(params)
+
+        def step():
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        return per_call(step, dev, window_s)
+    per_tensor = seconds([1] * small) / small
+    return max(seconds([n // 8] * 8) - 8 * per_tensor, 0.0) / n, per_tensor
 
 
 def measure_compute(sizes: dict) -> dict | None:
@@ -158,8 +163,9 @@ def measure_compute(sizes: dict) -> dict | None:
     if int(os.environ.get("RANK", 0)) != 0:
         return None
     w = sizes["window_s"]
+    per_param, per_tensor = optimizer_cost(w)
     return {"matmul": matmul_curve(sizes["matmul"], w), "memory_bw": memory_bandwidth(w, sizes["elementwise"]),
-            "op_overhead_s": op_overhead(w), "optimizer_s_per_param": optimizer_cost(w)}
+            "op_overhead_s": op_overhead(w), "optimizer_s_per_param": per_param, "optimizer_s_per_tensor": per_tensor}
 
 
 def matmul_loop(k: int, window_s: float, n: int = 256) -> float | None:
@@ -222,9 +228,11 @@ def fit_collective(op: str, points: list, group: int) -> list[float]:
     kind = "send" if op == "send" else op
     scale = 0.5 if op == "send" else 1.0  # a ping is two sends
     (small_b, small_t), (big_b, big_t) = points[0], points[-1]
-    lat = small_t * scale
+    lat, big = small_t * scale, big_t * scale
     wire = wire_bytes(kind, big_b, group)
-    return [lat, wire / max(big_t * scale - lat, 1e-9)]
+    # a noisy small message can read slower than its share of the large one: the large one then
+    # carries at least half its own time as transfer (never an unbounded bandwidth)
+    return [min(lat, big / 2), wire / max(big - lat, big / 2)]
 
 
 # --- the whole calibration ------------------------------------------------------------------------

@@ -223,6 +223,8 @@ class Calibration:
     """Seconds one small op costs in forward + autograd (dispatch, allocation), beyond its work."""
     optimizer_s_per_param: float
     """Seconds per fp32 parameter of one AdamW step (gradient clipping included)."""
+    optimizer_s_per_tensor: float
+    """Seconds per parameter tensor of that step beyond its elements (its ops' host cost)."""
     collectives: dict
     """op → {group size: [latency s, bytes/s]}: time = latency + ring wire bytes / bytes/s."""
     oversubscription: dict
@@ -262,7 +264,7 @@ class Calibration:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-_CAL_FIGURES = ("memory_bw", "op_overhead_s", "optimizer_s_per_param")
+_CAL_FIGURES = ("memory_bw", "op_overhead_s", "optimizer_s_per_param", "optimizer_s_per_tensor")
 
 
 def calibration_from_dict(data: dict, where: str) -> Calibration:

@@ -21,8 +21,8 @@ Per step (the busiest pipeline rank sets the pace):
                 ZeRO-3/FSDP gathers are prefetched one layer ahead, exposed where a layer's compute is
                 shorter than its gather, and the first gather always. On a CPU whose cores the ranks
                 fill, nothing overlaps (gloo runs on the ranks' cores: `can_overlap`)
-    optimizer   local optimizer-state parameters × cost per parameter (calibrated, else Adam's bytes
-                over the memory bandwidth)
+    optimizer   local optimizer-state parameters × cost per parameter + tensors × cost per tensor
+                (calibrated), else Adam's bytes over the memory bandwidth
     step        busy + bubble + dp exposed + optimizer + per-step tp/pp collectives
 
 Implementations (`impl`): "table2" is Megatron-LM as in Korthikanti et al. 2022 (attention scores
@@ -305,12 +305,25 @@ def dp_exposed(cfg, st: StageTime, hw: Hardware, link: tuple) -> float:
     return exposed + max(last, total - st.last_backward)
 
 
+def optimizer_tensors(plan, stage: int) -> int:
+    """Tensors the rank's optimizer steps: DeepSpeed's ZeRO keeps one flat partition, the native
+    engine's ZeRO-1 one shard per gradient bucket, the others one per parameter (FSDP: its shard)."""
+    cfg = plan.cfg
+    if cfg.backend == "deepspeed" and cfg.zero:
+        return 1
+    if cfg.backend == "native" and cfg.zero and cfg.dp > 1:
+        buckets, sp = plan.buckets(stage)
+        return len(buckets) + bool(sp)
+    return len(plan.param_sizes(stage))
+
+
 def optimizer_time(plan, stage: int, hw: Hardware) -> float:
     rank = plan.ranks[stage]
     n = rank.params / plan.state_divisors[2]
     cal = hw.calibration
     if cal is not None:
-        return n * cal.optimizer_s_per_param * cal.slowdown(plan.cfg.world)
+        per_tensor = optimizer_tensors(plan, stage) * cal.optimizer_s_per_tensor
+        return (n * cal.optimizer_s_per_param + per_tensor) * cal.slowdown(plan.cfg.world)
     return n * ADAM_BYTES_PER_PARAM / hw.memory_bw if hw.memory_bw else 0.0
 
 
