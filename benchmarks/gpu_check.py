@@ -50,7 +50,7 @@ def configs(device: str, model: str, world: int) -> list:
 
 
 def run_all(device: str, model: str, worlds: list[int]) -> list[dict]:
-    from bench.sweep.local import RankPool
+    from bench.spawn import RankPool
     rows = []
     for world in worlds:
         with RankPool(world) as pool:

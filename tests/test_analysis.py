@@ -151,7 +151,8 @@ def test_estimate_llama70b_on_h100():
                 sequence_parallel=True, recompute="selective", schedule="interleaved", virtual_stages=5)
     est = estimate(cfg, "h100-sxm", 8)
     assert est["fits"] and 0.2 < est["mfu"] < 0.7
-    assert est["step_time_s"] == pytest.approx(est["compute_s"] + est["exposed_comm_s"] + est["bubble_s"])
+    assert est["step_time_s"] == pytest.approx(est["compute_s"] + est["overhead_s"] + est["exposed_comm_s"] +
+                                               est["bubble_s"] + est["optimizer_s"])
     assert est["links"] == {"tp": "nvlink", "pp": "network", "dp": "network"}
     assert est["bubble_fraction"] == pytest.approx(7 / (5 * 64 + 7))
     assert est["total_bytes"] == pytest.approx(sum(est[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",

@@ -63,6 +63,19 @@ for text in BAD_VALUES:
     case(f"estimate--params={text}", ["estimate", "--params", text, "--dp", "8", "--zero", "3"], "--params")
     case(f"estimate--dp={text}", ["estimate", "--params", "7e9", "--dp", text], "--dp")
 
+for text in BAD_VALUES:  # calibrate: refused before any rank starts
+    case(f"calibrate--world={text}", ["calibrate", "--quick", "--world", text], "--world")
+case("calibrate--world-beyond", ["calibrate", "--world", "65"], "--world")
+# validate: the published-results file
+BAD = Path(__file__).parent / "bad_inputs"
+case("validate-missing-file", ["validate", "--published", "/nonexistent/published.yaml", "--figure", ""],
+     "/nonexistent/published.yaml")
+case("validate-folder", ["validate", "--published", str(BAD), "--figure", ""], str(BAD))
+case("validate-unknown-key", ["validate", "--published", str(BAD / "published" / "unknown_key.yaml"),
+                              "--figure", ""], "unknown_key.yaml", "colour")
+case("validate-not-utf8", ["validate", "--published", str(BAD / "published" / "latin1.yaml"), "--figure", ""],
+     "latin1.yaml")
+
 # run: values no type catches, only the rules
 case("run-fault-sleep-abc", ["run", "--fault", "sleep:abc"], "sleep:abc")
 case("run-fault-sleep-negative", ["run", "--fault", "sleep:-5"], "sleep:-5")

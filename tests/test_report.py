@@ -12,7 +12,7 @@ from bench.results import skipped_row
 from browser import probe, require_chromium, screenshot
 from report_runs import CONFIGS, FAILING, result_sets
 
-FIGURES = ("throughput_heatmap", "backend_comparison", "memory_breakdown", "comm_breakdown")
+FIGURES = ("throughput_heatmap", "backend_comparison", "memory_breakdown", "comm_breakdown", "predicted_time")
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ def test_dimension_families_expand_to_the_row_names():
 
 
 def test_compare_sets_come_from_the_declaration():
-    assert set(compare.NOISY) == set(NOISY) == {"step_time_s", "tokens_per_s", "peak_mem_bytes", "bubble_fraction"}
+    assert set(compare.NOISY) == set(NOISY) == {"step_time_s", "tokens_per_s", "peak_mem_bytes", "bubble_fraction",
+                                                   "pred_step_time_abs_error"}
     assert compare.NOISY["tokens_per_s"] == (True, 0.0) and compare.NOISY["peak_mem_bytes"] == (False, 2.0**20)
     assert {"params", "persistent_bytes", "comm_bytes_dp", "pred_flops_per_step"} <= set(EXACT)
     assert "pred_error" not in EXACT and "wall_s" not in EXACT

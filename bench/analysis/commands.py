@@ -8,9 +8,10 @@ from bench.cli_options import FRACTION, Number, config_from_options, config_opti
 
 COMMANDS: list[click.Command] = []
 
-_MIXED = click.option("--mixed-state", type=click.Choice(["zero", "autocast"]), default="zero", show_default=True,
+_MIXED = click.option("--mixed-state", type=click.Choice(["zero", "autocast", "megatron"]), default="zero", show_default=True,
                       help="mixed-precision model state: zero = 2+2+12 bytes/param (ZeRO paper, Megatron); "
-                           "autocast = 4+4+8 (fp32 weights, as this suite's torch engines)")
+                           "autocast = 4+4+8 (fp32 weights, as this suite's torch engines); "
+                           "megatron = 2+4+12 (fp32 main gradients)")
 _ACTS = click.option("--activations", type=click.Choice(["table2", "suite"]), default="table2", show_default=True,
                      help="table2 = Korthikanti et al. 2022 (dropout, attention scores saved); "
                           "suite = this suite's GPT (no dropout, fused attention)")
@@ -130,9 +131,11 @@ def _print_estimate(est: dict) -> None:
         click.echo(f"  {dim}: {_gib(payload):>14} / {_gib(wire):>14}")
     click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")
     if "step_time_s" in est:
-        click.echo(f"on {est['hardware']} (links tp {est['links']['tp']}, pp {est['links']['pp']}, "
-                   f"dp {est['links']['dp']}): step {est['step_time_s']:.3f} s = compute {est['compute_s']:.3f} "
-                   f"+ exposed comm {est['exposed_comm_s']:.3f} + bubble {est['bubble_s']:.3f}")
+        click.echo(f"on {est['hardware']} ({'calibrated' if est['calibrated'] else 'datasheet'}; links tp "
+                   f"{est['links']['tp']}, pp {est['links']['pp']}, dp {est['links']['dp']}): step "
+                   f"{est['step_time_s']:.4g} s = compute {est['compute_s']:.4g} + overhead {est['overhead_s']:.4g} "
+                   f"+ exposed comm tp {est['comm_exposed_tp_s']:.4g} pp {est['comm_exposed_pp_s']:.4g} "
+                   f"dp {est['comm_exposed_dp_s']:.4g} + bubble {est['bubble_s']:.4g} + optimizer {est['optimizer_s']:.4g}")
         click.echo(f"  {est['tokens_per_s']:,.0f} tokens/s   MFU {est['mfu']:.1%}   "
                    f"{'fits' if est['fits'] else 'DOES NOT FIT'} in {_gib(est['memory_limit_bytes'])}")
 
@@ -181,4 +184,67 @@ def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, me
                    f"memory {_gib(row['total_bytes'])} (act {_gib(row['activation_bytes'])})")
 
 
-COMMANDS += [layout, estimate, plan]
+@click.command("validate")
+@click.option("--published", "path", default=None, help="published-results YAML (default: bench/analysis/published.yaml)")
+@click.option("--figure", "figure", default="validate.png", show_default=True,
+              help="where to write the predicted-vs-published figure ('' for none)")
+@click.option("--json", "as_json", is_flag=True, help="every entry and the error summary as JSON")
+def validate(path, figure, as_json):
+    """Hold the analytic model against published runs: predicted vs published per entry, mean and max |error|."""
+    from bench.analysis.validate import PUBLISHED
+    from bench.analysis.validate import validate as run
+    result = run(path or PUBLISHED)
+    if figure:
+        from bench.report.figures import validation_figure
+        validation_figure(result).savefig(figure, bbox_inches="tight")
+        result["figure"] = figure
+    if as_json:
+        echo_json(result)
+        return
+    click.echo(f"{'entry':<36} {'published':>10} {'predicted':>10} {'error':>8}   source")
+    for e in result["entries"]:
+        click.echo(f"{e['name']:<36} {e['published']:>8.2f} {e['unit']:<3}{e['predicted']:>8.2f} {e['unit']:<3}"
+                   f"{e['error']:>+7.1%}   {e['where']}")
+    for kind, s in result["summary"].items():
+        click.echo(f"{kind}: {s['entries']} entries, mean |error| {s['mean_abs_error']:.2%}, "
+                   f"max |error| {s['max_abs_error']:.2%}")
+    if figure:
+        click.echo(f"figure: {figure}")
+
+
+@click.command("calibrate")
+@click.option("--world", type=positive_int(64), default=2, show_default=True,
+              help="ranks to measure collectives and shared cores with")
+@click.option("--out", "out", default=None, help="profile file to write (default: NAME.yaml in the profiles folder, "
+                                                 "$PARABENCH_PROFILES or ~/.cache/parabench/profiles, where "
+                                                 "--hardware NAME finds it)")
+@click.option("--name", default=None, help="profile name (default: cpu, or the GPU's profile name)")
+@click.option("--quick", is_flag=True, help="fewer shapes and sizes, shorter windows (< 30 s on a laptop)")
+def calibrate(world, out, name, quick):
+    """Measure this machine (matmul curve, memory bandwidth, per-op overhead, optimizer, collectives, shared
+    cores) into a hardware profile the time model reads."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from bench.calibrate import calibrate as measure
+    from bench.calibrate import write_profile
+    groups = len({g for g in (2, 4, 8, world) if 2 <= g <= world})
+    with Progress(TextColumn("{task.description:<40}"), BarColumn(), TimeElapsedColumn()) as bar:
+        task = bar.add_task("starting ranks", total=2 + world + groups)
+
+        def tick(what: str) -> None:
+            bar.update(task, advance=1, description=what)
+        hw = measure(world, quick, name, tick)
+    path = write_profile(hw, out)
+    cal = hw.calibration
+    click.echo(f"wrote {path} (profile {hw.name!r}; use --hardware {hw.name if not out else path})")
+    click.echo(f"  matmul fp32 up to {hw.peak_flops['fp32'] / 1e9:,.1f} GFLOP/s, bf16 up to "
+               f"{hw.peak_flops.get('bf16', 0) / 1e9:,.1f}; memory {cal.memory_bw / 1e9:.2f} GB/s; "
+               f"op {cal.op_overhead_s * 1e6:.1f} µs; AdamW {cal.optimizer_s_per_param * 1e9:.2f} ns/param")
+    for op, table in cal.collectives.items():
+        click.echo(f"  {op:<15}" + "  ".join(f"n={n}: {lat * 1e6:,.0f} µs + {bw / 1e9:.2f} GB/s"
+                                              for n, (lat, bw) in sorted(table.items())))
+    click.echo("  ranks sharing the machine slow compute ×" +
+               ", ".join(f"{f:.2f} ({k})" for k, f in sorted(cal.oversubscription.items())))
+
+
+COMMANDS += [layout, estimate, plan, validate, calibrate]

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import gcd
 
-from bench.analysis.comm import Traffic, comm_summary, stage_traffic
+from bench.analysis.comm import Traffic, comm_summary
 from bench.analysis.hardware import Hardware, get_hardware
 from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memory
 from bench.analysis.stage_plan import StagePlan, stage_plan
-from bench.schedule import BACKWARD, FORWARD
+from bench.analysis.time_model import step_terms
 from bench.config import BatchShape
 from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
@@ -131,41 +131,20 @@ def op_time(tr: Traffic, bw: float, latency: float) -> float:
     return latency + tr.payload / bw
 
 
-def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str = "zero") -> dict:
-    """Step time over the planned stages (the slowest sets the pace): see the module docstring."""
+def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str = "zero", impl: str = "table2") -> dict:
+    """Step time over the planned stages, term by term (bench.analysis.time_model), with the keys this
+    function always had (compute_s, bubble_s, exposed_comm_s, comm_{tp,pp,dp}_s, ...)."""
     cfg, g = plan.cfg, plan.gpus_per_node or hw.gpus_per_node
-    p, m = cfg.pp, cfg.micro_batches
-    compute = hardware_flops_per_step(cfg) / cfg.world / (hw.peak(cfg.dtype) * hw.compute_efficiency)
-    traffic = {s: stage_traffic(plan, s, mixed_state) for s in plan.ranks}
     links = {d: link(cfg, hw, d, g) for d in ("tp", "pp", "dp")}
-
-    def busiest(dim):  # the slowest stage sets the pace
-        return max(sum(op_time(tr, *links[dim][:2]) * tr.ops for tr in traffic[s] if tr.dim == dim)
-                   for s in traffic)
-
-    tp = busiest("tp")
-    pp = 0.0
-    if p > 1:  # one send forward and one backward per slot of the critical path
-        msg = next(tr for tr in traffic[0] if tr.kind == "send").payload
-        slots = plan.step.makespan / (FORWARD + BACKWARD)
-        pp = 2 * slots * (links["pp"][1] + msg / links["pp"][0])
-    bubble = (compute + tp) * plan.step.bubble_over_ideal
-    def dp_time(per):
-        return max(sum(op_time(tr, *links["dp"][:2]) * tr.ops for tr in traffic[s]
-                       if tr.dim == "dp" and tr.per == per) for s in traffic)
-
-    # ZeRO-3/FSDP gathers run every micro-batch, prefetched behind its compute; the once-per-step
-    # gradient reduction overlaps only the backward of the last micro-batch (2/3 of its compute).
-    dp_mb, dp_step = dp_time("micro-batch"), dp_time("step")
-    dp_total = dp_mb + dp_step
-    dp = max(0.0, dp_mb - compute) + max(0.0, dp_step - compute / m * 2 / 3)
-    step = compute + tp + pp + bubble + dp
+    t = step_terms(plan, hw, {d: links[d][:2] for d in links}, impl, mixed_state)
+    step = t["step_time_s"]
+    exposed = t["comm_exposed_tp_s"] + t["comm_exposed_pp_s"] + t["comm_exposed_dp_s"]
     model_flops = model_flops_per_step(cfg)
-    return {"hardware": hw.name, "step_time_s": step, "compute_s": compute, "bubble_s": bubble,
-            "exposed_comm_s": tp + pp + dp, "comm_tp_s": tp, "comm_pp_s": pp, "comm_dp_s": dp_total,
-            "comm_dp_exposed_s": dp, "links": {d: links[d][2] for d in links},
-            "tokens_per_s": cfg.tokens_per_step / step,
-            "mfu": model_flops / cfg.world / (step * hw.peak(cfg.dtype))}
+    return {"hardware": hw.name, **t, "exposed_comm_s": exposed, "comm_tp_s": t["comm_exposed_tp_s"],
+            "comm_pp_s": t["comm_exposed_pp_s"], "comm_dp_s": t["comm_dp_total_s"], "comm_dp_exposed_s": t["comm_exposed_dp_s"],
+            "links": {d: links[d][2] for d in links}, "tokens_per_s": cfg.tokens_per_step / step,
+            "mfu": model_flops / cfg.world / (step * hw.peak(cfg.dtype)),
+            "calibrated": hw.calibration is not None}
 
 
 def estimate(cfg, hardware: str | Hardware | None = None, gpus_per_node: int | None = None,
@@ -179,7 +158,7 @@ def estimate(cfg, hardware: str | Hardware | None = None, gpus_per_node: int | N
            "flops_per_step": model_flops_per_step(cfg), "hardware_flops_per_step": hardware_flops_per_step(cfg),
            "tokens_per_step": cfg.tokens_per_step, "world_size": cfg.world}
     if hw is not None:
-        out.update(predict_time(plan, hw, state))
+        out.update(predict_time(plan, hw, state, "suite" if activations == "suite" else "table2"))
         out["memory_limit_bytes"] = hw.memory_bytes
         out["fits"] = out["total_bytes"] <= hw.memory_bytes
     return out
@@ -196,21 +175,52 @@ PRED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes
              "bubble_fraction", "flops_per_step")
 
 
-def predict_row(cfg) -> dict:
+def predict_row(cfg, device_name: str | None = None) -> dict:
     """`pred_*` columns for a measured row: the backend's own precision convention and this
-    suite's activations (no dropout, fused attention). Never raises: a row is worth more than
-    its prediction (a failure is recorded in `pred_error`)."""
+    suite's activations (no dropout, fused attention), and the step time on the profile of the device
+    it ran on (`row_hardware`). Never raises: a row is worth more than its prediction (a failure is
+    recorded in `pred_error`)."""
     try:
-        return _predict_row(cfg)
+        return _predict_row(cfg, device_name)
     except Exception as e:  # noqa: BLE001
         return {"pred_error": f"{type(e).__name__}: {e}"}
 
 
-def _predict_row(cfg) -> dict:
-    est = estimate(cfg, mixed_state=default_mixed_state(cfg), activations="suite")
+def row_hardware(device_name: str | None) -> Hardware | None:
+    """The profile a row is predicted on: the CUDA device's (a calibrated one of that name first), on
+    CPU `cpu` (the calibrated one when `bench calibrate` wrote it, else the built-in)."""
+    from bench.analysis.hardware import profile_for_device
+    if not device_name or device_name == "cpu":
+        return get_hardware("cpu")
+    base = profile_for_device(device_name)
+    return get_hardware(base.name) if base else None
+
+
+TIME_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "overhead_s", "comm_exposed_s", "comm_exposed_tp_s",
+             "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s", "optimizer_s")
+
+
+def _predict_row(cfg, device_name: str | None = None) -> dict:
+    state = default_mixed_state(cfg)
+    est = estimate(cfg, mixed_state=state, activations="suite")
     out = {f"pred_{k}": est[k] for k in PRED_KEYS}
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes"):  # max over ranks,
         out[f"pred_{k}"] = max(s[k] for s in est["stages"])  # per column, as the measured row
     for name in comm_columns():
         out[f"pred_{name}"] = est[name]
+    hw = row_hardware(device_name)
+    if hw is not None:
+        t = predict_time(stage_plan(cfg), hw, state, "suite")
+        t["comm_exposed_s"] = t["exposed_comm_s"]
+        out.update({f"pred_{k}": t[k] for k in TIME_KEYS})
+        out["pred_hardware"] = hw.name + (" (calibrated)" if hw.calibration else " (datasheet)")
     return out
+
+
+def prediction_error(row: dict) -> dict:
+    """How far the predicted step time is from the measured one (pred / measured − 1)."""
+    pred, measured = row.get("pred_step_time_s"), row.get("step_time_s")
+    if not pred or not measured:
+        return {}
+    err = pred / measured - 1
+    return {"pred_step_time_error": err, "pred_step_time_abs_error": abs(err)}

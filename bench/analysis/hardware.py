@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from bench.config import check_number
 from bench.typed_yaml import FileError, file_error, known_keys, load_yaml
@@ -68,6 +68,8 @@ class _Count:
 Quantity = Annotated[float, _Quantity()]
 Latency = Annotated[float, _Quantity((0, 3600.0, False))]
 Fraction = Annotated[float, _Quantity((0, 1.0, True))]
+Fraction0 = Annotated[float, _Quantity((0, 1.0, False))]  # 0 allowed: "not given, use the fallback"
+Rate0 = Annotated[float, _Quantity((0, 1e30, False))]
 Count = Annotated[int, _Count()]
 
 
@@ -88,6 +90,16 @@ class Hardware:
     on A100/H100 in Megatron-LM and Llama 2 reports implies ~0.6 before bubbles and comm)."""
     source: str = "vendor datasheet"
     match: tuple[str, ...] = ()  # substrings of torch.cuda.get_device_name() that identify the device
+    # --- time-model figures (bench.analysis.time_model) ---
+    memory_bw: Rate0 = 0.0
+    """Device memory bandwidth, bytes/s (HBM datasheet); 0: memory-bound work is not modelled."""
+    matmul_efficiency: Fraction0 = 0.0
+    """Fraction of the peak the best-shaped matmul reaches in a burst; 0: use compute_efficiency."""
+    sustained_clock: Fraction = 1.0
+    """Share of that burst rate a board saturated at its power limit holds (training is one long run)."""
+    calibration: Any = None
+    """A `Calibration` measured on the machine by `bench calibrate` (then it replaces the figures above);
+    read by `calibration_from_dict`, not by the file schema."""
 
     def __post_init__(self):
         if "fp32" not in self.peak_flops:  # the fallback of `peak` for a dtype without its own figure
@@ -96,17 +108,37 @@ class Hardware:
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype_key(dtype)) or self.peak_flops["fp32"]
 
+    @property
+    def large_matmul_efficiency(self) -> float:
+        return (self.matmul_efficiency or self.compute_efficiency) * self.sustained_clock
+
 
 GiB = 1024**3
+# Share of the dense bf16 peak the best-shaped matmul reaches in a burst, measured ("Maximum Achievable
+# Matmul FLOPS", S. Bekman, ml-engineering, compute/accelerator/README.md, MAMF table: A100 SXM 267.9 of
+# 312 TFLOP/s, H100 SXM 792.1 of 989; the same project's "Counting FLOPs" video script, whose numbers
+# come from that README's MAMF/MSMF tables: H200 834 of 989).
+MAMF = {"a100-80gb": 267.9 / 312, "h100-sxm": 792.1 / 989, "h200": 834 / 989}
+# A saturated board holds less than a burst (its power limit pulls the clock down): the sustained rate
+# (MSMF) of that H200 is 755 TFLOP/s, "the one to use for training, which is one long saturated run".
+# No MSMF is published for A100 or H100: they take H200's measured ratio. `bench calibrate` on the
+# machine replaces both figures with the measured curve.
+SUSTAINED = 755 / 834
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
+    # NVIDIA A100 datasheet (SXM 80GB): 312 TFLOP/s dense bf16/fp16, 19.5 fp32, HBM2e 2,039 GB/s;
     # NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; HDR InfiniBand 200 Gb/s per GPU.
     Hardware("a100-80gb", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GiB, 300e9, 25e9,
-             match=("A100",)),
+             match=("A100",), memory_bw=2039e9, matmul_efficiency=MAMF["a100-80gb"],
+             sustained_clock=SUSTAINED),
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense bf16, 67 fp32, HBM3 3.35 TB/s;
     # NVLink 4: 900 GB/s bidirectional; NDR InfiniBand 400 Gb/s per GPU.
     Hardware("h100-sxm", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GiB, 450e9, 50e9,
-             match=("H100",)),
+             match=("H100",), memory_bw=3.35e12, matmul_efficiency=MAMF["h100-sxm"],
+             sustained_clock=SUSTAINED),
+    # NVIDIA H200 datasheet (SXM): H100's compute, 141 GB HBM3e at 4.8 TB/s.
     Hardware("h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GiB, 450e9, 50e9,
-             match=("H200",)),
+             match=("H200",), memory_bw=4.8e12, matmul_efficiency=MAMF["h200"],
+             sustained_clock=SUSTAINED),
     # Measured on this machine (2 cores, 24 GiB, torch 2.13 CPU, one thread per rank) by the script
     # quoted in /work/notes/issue-7.md: 512² matmul in one thread (fp32, bf16); gloo all-reduce of
     # 64 MiB between two processes (bus bandwidth) and of 4 bytes (latency). A "device" is one core;
@@ -156,13 +188,19 @@ def _file_schema():
 
 
 def hardware_from_dict(data: dict, source: str = "profile", prefix: str = "") -> Hardware:
-    """A profile from a file's mapping; errors name `source` and the key (after `prefix`)."""
+    """A profile from a file's mapping; errors name `source` and the key (after `prefix`). A measured
+    profile's `calibration:` section is read by `calibration_from_dict` (its own checks and messages)."""
     import pydantic
     known = tuple(f.name for f in fields(Hardware))
+    data = dict(data)
+    calibration = data.pop("calibration", None)
     try:
-        return _file_schema().validate_python({"source": source, **data})
+        hw = _file_schema().validate_python({"source": source, **data})
     except pydantic.ValidationError as e:
         raise file_error(e, source, prefix, known_keys("hardware field", known), data) from None
+    if calibration is None:
+        return hw
+    return replace(hw, calibration=calibration_from_dict(calibration, f"{source}: {prefix}".rstrip(": ")))
 
 
 def load_profiles(path: str | Path) -> dict[str, Hardware]:
@@ -178,8 +216,10 @@ def load_profiles(path: str | Path) -> dict[str, Hardware]:
 
 
 def known_profiles() -> dict[str, Hardware]:
+    """Built-in profiles, then calibrated ones (`bench calibrate`; they replace a built-in of the same
+    name, e.g. `cpu`), then the file PARABENCH_HARDWARE names."""
     extra = os.environ.get("PARABENCH_HARDWARE")
-    return {**PROFILES, **(load_profiles(extra) if extra else {})}
+    return {**PROFILES, **calibrated_profiles(), **(load_profiles(extra) if extra else {})}
 
 
 def get_hardware(spec: str | Hardware) -> Hardware:
@@ -201,5 +241,127 @@ def get_hardware(spec: str | Hardware) -> Hardware:
     profiles = known_profiles()
     if spec not in profiles:
         raise ValueError(f"unknown hardware {spec!r}; known profiles: {', '.join(profiles)} "
-                         "(or a YAML file, see bench/analysis/hardware.py)")
+                         f"(or a YAML file, see bench/analysis/hardware.py; `bench calibrate --name {spec}` "
+                         f"measures this machine into {profile_dir()})")
     return profiles[spec]
+
+
+# --- calibration (bench calibrate; issue 11) -----------------------------------------------------
+# A profile measured on its machine carries a `calibration:` section; the time model then reads the
+# measured curves instead of the datasheet figures above. Files live in profile_dir(), one
+# NAME.yaml per profile, and are found by name like the built-ins.
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `bench calibrate` measured (units: seconds, bytes, FLOP)."""
+
+    machine: dict
+    """Where it was measured: cpu_model, cores, device, torch, measured_at, quick."""
+    matmul: dict
+    """dtype → [[FLOP per call, achieved FLOP/s], ...] over a range of shapes, sorted by FLOP."""
+    memory_bw: float
+    """Bytes read + written per second by elementwise and norm kernels."""
+    op_overhead_s: float
+    """Seconds one small op costs in forward + autograd (dispatch, allocation), beyond its work."""
+    optimizer_s_per_param: float
+    """Seconds per fp32 parameter of one AdamW step (gradient clipping included)."""
+    optimizer_s_per_tensor: float
+    """Seconds per parameter tensor of that step beyond its elements (its ops' host cost)."""
+    collectives: dict
+    """op → {group size: [latency s, bytes/s]}: time = latency + ring wire bytes / bytes/s."""
+    oversubscription: dict
+    """ranks → slowdown of compute when that many ranks share the machine (1 when each has a core)."""
+
+    def matmul_rate(self, dtype: str, flops: float) -> float:
+        """Achieved FLOP/s of a matmul of `flops`, interpolated in log FLOP on the measured curve."""
+        from math import log
+        curve = self.matmul.get(dtype) or self.matmul["fp32"]
+        if flops <= curve[0][0]:
+            return curve[0][1] * flops / curve[0][0]  # below the curve: fixed cost per call dominates
+        for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
+            if flops <= f1:
+                w = (log(flops) - log(f0)) / (log(f1) - log(f0))
+                return r0 + w * (r1 - r0)
+        return curve[-1][1]
+
+    def collective(self, kind: str, group: int) -> tuple[float, float] | None:
+        """(latency, bytes/s) of `kind` in a group of `group` ranks: the measured group size, else the
+        nearest measured one (None: not measured)."""
+        table = self.collectives.get("all_reduce" if kind == "broadcast" else kind)
+        if not table:
+            return None
+        sizes = sorted(int(n) for n in table)
+        n = min(sizes, key=lambda k: (abs(k - group), -k))
+        lat, bw = table[n] if n in table else table[str(n)]
+        return float(lat), float(bw)
+
+    def slowdown(self, ranks: int) -> float:
+        table = {int(k): float(v) for k, v in self.oversubscription.items()}
+        if not table or ranks <= min(table):
+            return 1.0 if not table else table[min(table)]
+        below = max(k for k in table if k <= ranks)
+        return table[below] * ranks / below  # past the measured counts: ranks share the cores evenly
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_CAL_FIGURES = ("memory_bw", "op_overhead_s", "optimizer_s_per_param", "optimizer_s_per_tensor")
+
+
+def calibration_from_dict(data: dict, where: str) -> Calibration:
+    """Checked: every figure present and positive; one error names the file, the key and the fix."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: calibration must be a mapping; rerun `bench calibrate`")
+    known = {f.name for f in fields(Calibration)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown calibration key(s) {unknown}; known: {sorted(known)}")
+    missing = sorted(known - set(data))
+    if missing:
+        raise ValueError(f"{where}: calibration.{missing[0]} is missing; rerun `bench calibrate`")
+    for key in _CAL_FIGURES:
+        if not isinstance(data[key], (int, float)) or data[key] < 0:
+            raise ValueError(f"{where}: calibration.{key} is {data[key]!r}; it must be a number ≥ 0 "
+                             "(rerun `bench calibrate`)")
+    for dtype, curve in data["matmul"].items():
+        if not curve or any(len(p) != 2 or p[0] <= 0 or p[1] <= 0 for p in curve):
+            raise ValueError(f"{where}: calibration.matmul.{dtype} must list [FLOP, FLOP/s] pairs > 0 "
+                             "(rerun `bench calibrate`)")
+    for op, table in data["collectives"].items():
+        for n, pair in table.items():
+            if len(pair) != 2 or pair[0] < 0 or pair[1] <= 0:
+                raise ValueError(f"{where}: calibration.collectives.{op}.{n} must be [latency ≥ 0, bytes/s > 0] "
+                                 "(rerun `bench calibrate`)")
+    out = dict(data, matmul={k: sorted(map(tuple, v)) for k, v in data["matmul"].items()},
+               collectives={op: {int(n): tuple(p) for n, p in t.items()} for op, t in data["collectives"].items()},
+               oversubscription={int(k): float(v) for k, v in data["oversubscription"].items()})
+    return Calibration(**out)
+
+
+def profile_dir() -> Path:
+    """Where calibrated profiles live: $PARABENCH_PROFILES, else ~/.cache/parabench/profiles."""
+    return Path(os.environ.get("PARABENCH_PROFILES") or Path.home() / ".cache" / "parabench" / "profiles")
+
+
+def calibrated_profiles() -> dict[str, Hardware]:
+    folder = profile_dir()
+    if not folder.is_dir():
+        return {}
+    out = {}
+    for path in sorted(folder.glob("*.yaml")):
+        out.update(load_profiles(path))
+    return out
+
+
+def hardware_to_dict(hw: Hardware) -> dict:
+    """The YAML form `load_profiles` reads back."""
+    out = {f.name: getattr(hw, f.name) for f in fields(hw)}
+    out["match"] = list(hw.match)
+    out["calibration"] = hw.calibration.to_dict() if hw.calibration else None
+    if out["calibration"]:
+        cal = out["calibration"]
+        cal["matmul"] = {k: [list(p) for p in v] for k, v in cal["matmul"].items()}
+        cal["collectives"] = {op: {int(n): list(p) for n, p in t.items()} for op, t in cal["collectives"].items()}
+    return out

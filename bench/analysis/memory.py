@@ -48,7 +48,7 @@ from bench.analysis.params import (
 )
 from models.config import GPTConfig, block_params, embedding_params
 
-MIXED_STATES = ("zero", "autocast")
+MIXED_STATES = ("zero", "autocast", "megatron")
 """How mixed precision keeps its model state: see the module docstring."""
 
 
@@ -75,6 +75,9 @@ def precision(dtype: str, mixed_state: str = "zero") -> Precision:
         raise ValueError(f"mixed_state is {mixed_state!r}; choose one of {', '.join(MIXED_STATES)}")
     if mixed_state == "zero":
         return Precision(2, 2, 12, 2, 2, 2, 2, 2, 2, 2)
+    if mixed_state == "megatron":  # Megatron-LM: bf16 weights, fp32 main gradients (accumulated and
+        # reduced in fp32), fp32 master weights and Adam state: 2 + 4 + 12 = 18 bytes per parameter
+        return Precision(2, 4, 12, 2, 2, 2, 2, 2, 4, 2)
     # autocast: weights and gradients stay fp32 (reduced in fp32); the engines cast activations to
     # the low precision before they communicate them (tp collectives, pipeline sends).
     return Precision(4, 4, 8, 2, 2, 2, 2, 2, 4, 4)

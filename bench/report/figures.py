@@ -279,12 +279,59 @@ def bubble_curve(df: pd.DataFrame):
     return fig
 
 
+# --- predicted vs measured time -----------------------------------------------------------------
+TIME_TERMS = {"compute": "pred_compute_s", "overhead": "pred_overhead_s", "tp comm": "pred_comm_exposed_tp_s",
+              "pp comm": "pred_comm_exposed_pp_s", "dp comm": "pred_comm_exposed_dp_s", "bubble": "pred_bubble_s",
+              "optimizer": "pred_optimizer_s"}
+
+
+def predicted_time(df: pd.DataFrame):
+    """Per config the measured step time beside the predicted one split into its terms, with the error;
+    and the distribution of the errors over configs."""
+    ok = ok_runs(df, "step_time_s", "pred_step_time_s", "tokens_per_s")
+    if ok.empty:
+        return "no successful run with a predicted step time (pred_step_time_s: rows from before the time model)"
+    cols = ["step_time_s", "pred_step_time_s", *[c for c in TIME_TERMS.values() if c in ok]]
+    for c in cols:
+        ok[c] = pd.to_numeric(ok[c], errors="coerce")
+    configs = _top_configs(per_config(ok, cols))
+    errors = configs["pred_step_time_s"] / configs["step_time_s"] - 1
+    n = len(configs)
+    fig, (ax, hist) = plt.subplots(1, 2, figsize=(13, 1.6 + 0.5 * n), gridspec_kw={"width_ratios": [3, 1]})
+    y = np.arange(n)
+    ax.barh(y + 0.2, configs["step_time_s"] * 1e3, 0.38, color="0.35", label="measured")
+    left = np.zeros(n)
+    colors = sns.color_palette(PALETTE, len(TIME_TERMS))
+    for (name, col), color in zip(TIME_TERMS.items(), colors):
+        values = configs[col].fillna(0).to_numpy(float) * 1e3 if col in configs else np.zeros(n)
+        ax.barh(y - 0.2, values, 0.38, left=left, color=color, hatch="//", edgecolor="white", linewidth=0.5,
+                label=f"predicted: {name}")
+        left += values
+    for yi, total, err in zip(y, left, errors):
+        ax.text(total, yi - 0.2, f" {err:+.0%}", va="center", fontsize=8)
+    ax.set_yticks(y, configs["label"])
+    ax.grid(axis="y", visible=False)
+    ax.set_xlabel("step time (ms): measured (grey) and predicted by term (hatched), error = predicted / measured − 1")
+    ax.margins(x=0.12)
+    ax.legend(loc="lower right", fontsize=7.5, framealpha=0.9)
+    hist.hist(errors * 100, bins=max(5, min(20, n)), color=colors[0])
+    hist.axvline(0, color="0.3", lw=1)
+    hist.set_xlabel("prediction error (%)")
+    hist.set_ylabel("configs")
+    hist.set_title(f"median |error| {np.median(np.abs(errors)):.0%}, max {np.max(np.abs(errors)):.0%}", fontsize=10)
+    fig.suptitle(f"Predicted vs measured step time ({configs['pred_hardware'].iloc[0] if 'pred_hardware' in configs else ''})",
+                 fontweight="bold", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig
+
+
 FIGURES = {
     "throughput_heatmap": ("Throughput heatmap", throughput_heatmap),
     "backend_comparison": ("Backend comparison at equal world size", backend_comparison),
     "memory_breakdown": ("Memory per rank: measured vs predicted", memory_breakdown),
     "comm_breakdown": ("Communication bytes per step by group", comm_breakdown),
     "bubble": ("Pipeline bubble vs micro-batches", bubble_curve),
+    "predicted_time": ("Predicted vs measured step time", predicted_time),
 }
 
 
@@ -293,3 +340,28 @@ def _si(value: float) -> str:
         if abs(value) >= div:
             return f"{value / div:.3g}{suffix}"
     return f"{value:.3g}"
+
+
+def validation_figure(result: dict):
+    """`bench validate`: predicted vs published, one panel per kind, the diagonal ±5 % shaded."""
+    theme()
+    kinds = list(result["summary"])
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.6 * len(kinds), 4.2), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        rows = [e for e in result["entries"] if e["kind"] == kind]
+        pub = np.array([e["published"] for e in rows])
+        pred = np.array([e["predicted"] for e in rows])
+        lo, hi = 0.8 * min(pub.min(), pred.min()), 1.2 * max(pub.max(), pred.max())
+        line = np.geomspace(lo, hi, 50)
+        ax.fill_between(line, line * 0.95, line * 1.05, color="0.9", label="±5 %")
+        ax.plot(line, line, color="0.5", lw=1)
+        ax.scatter(pub, pred, zorder=3)
+        for e in rows:
+            ax.annotate(e["name"].split()[0], (e["published"], e["predicted"]), fontsize=7,
+                        xytext=(3, -8), textcoords="offset points")
+        ax.set(xscale="log", yscale="log", xlabel=f"published ({rows[0]['unit']})",
+               ylabel=f"predicted ({rows[0]['unit']})")
+        s = result["summary"][kind]
+        ax.set_title(f"{kind}: mean |err| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%}", fontsize=10)
+    fig.tight_layout()
+    return fig

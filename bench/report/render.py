@@ -26,6 +26,10 @@ CAPTIONS = {
                       "measured by the communication counter beside the analytic prediction (hatched).",
     "bubble": "Idle fraction of a pipeline step against the number of micro-batches, per schedule; dashed: "
               "the theoretical (p−1)/(m+p−1) of a synchronous schedule with p stages.",
+    "predicted_time": "Per config (mean over repeats), the measured median step time beside the time model's "
+                      "prediction split into its terms (bench/analysis/time_model.py) and the error "
+                      "predicted / measured − 1; right: the errors' distribution. The profile is named in the "
+                      "title: calibrated (`bench calibrate`) or datasheet.",
 }
 
 

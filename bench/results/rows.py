@@ -73,7 +73,7 @@ def format_exception(exc: BaseException) -> str:
 def measured_row(cfg: RunConfig, ranks: list[dict], device) -> dict:
     """The row of a run that finished, from every rank's measurements (the dicts of worker._measure:
     losses, times, peak_mem, state, comm, extras, peak_flops on rank 0, device_name)."""
-    from bench.analysis.estimate import predict_row
+    from bench.analysis.estimate import prediction_error, predict_row
     from bench.metrics.timer import StepTimer
     from models import count_params, flops_per_token
     timer = StepTimer(device)
@@ -104,7 +104,8 @@ def measured_row(cfg: RunConfig, ranks: list[dict], device) -> dict:
     for key in sorted({k for r in ranks for k in r["comm"]} | set(comm_columns())):
         row[key] = over_ranks(key, [r["comm"].get(key, 0) for r in ranks])  # a rank without the op sent 0
     row.update(_merge_extras([r["extras"] for r in ranks]))
-    row.update(predict_row(cfg))  # pred_* columns beside the measured ones (bench.analysis)
+    row.update(predict_row(cfg, row["device_name"]))  # pred_* columns beside the measured ones (bench.analysis)
+    row.update(prediction_error(row))
     return row
 
 

@@ -162,6 +162,34 @@ _COMM_PER_OP = [Family(COMM_OP.format(dim="{group}", op="{op}", what=what),
                 for what, unit in (("bytes", "bytes"), ("ops", "ops"))]
 PRED_STATE = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")
 
+# --- predicted time (bench.analysis.time_model): the step's terms, each its own column ---
+_PRED_TIME = [
+    Column("pred_hardware", "str", "the hardware profile the time is predicted on, and whether it is calibrated "
+           "(`bench calibrate`) or datasheet", Kind.PREDICTED, always=False),
+    Column("pred_step_time_s", "float", "predicted step time: the sum of the pred_*_s terms", Kind.PREDICTED, "s",
+           always=False),
+    Column("pred_tokens_per_s", "float", "predicted global tokens per second", Kind.PREDICTED, "tokens/s",
+           always=False),
+    Column("pred_mfu", "float", "predicted model FLOPs utilisation", Kind.PREDICTED, "fraction", always=False),
+    Column("pred_compute_s", "float", "predicted compute of the busiest pipeline rank: matmuls at the rate their "
+           "shape gets, memory-bound work, recomputation", Kind.PREDICTED, "s", always=False),
+    Column("pred_overhead_s", "float", "predicted per-op dispatch overhead (ops × calibrated cost)", Kind.PREDICTED,
+           "s", always=False),
+    Column("pred_comm_exposed_s", "float", "predicted communication not hidden behind compute, all groups",
+           Kind.PREDICTED, "s", always=False),
+    Family("pred_comm_exposed_{dim}_s", {"dim": DIMS},
+           Column("", "float", "predicted exposed communication of the {dim} groups", Kind.PREDICTED, "s",
+                  always=False)),
+    Column("pred_bubble_s", "float", "predicted pipeline bubble (idle time of the simulated schedule)",
+           Kind.PREDICTED, "s", always=False),
+    Column("pred_optimizer_s", "float", "predicted optimizer step", Kind.PREDICTED, "s", always=False),
+    Column("pred_step_time_error", "float", "pred_step_time_s / step_time_s − 1 (signed)", Kind.PREDICTED,
+           "fraction", always=False),
+    Column("pred_step_time_abs_error", "float", "|pred_step_time_s / step_time_s − 1|: how well the time model "
+           "predicts this config (noisy: it follows the measurement)", Kind.NOISY, "fraction", "-", Compare.LOWER,
+           floor=0.05, always=False),
+]
+
 DECLARED: list[Column | Family] = [
     Column("SCHEMA_VERSION", "int", "version of this schema", Kind.IDENTITY),
     Column("run_id", "str", "hash of the run's canonical config: the key for resume and baselines", Kind.IDENTITY),
@@ -273,6 +301,7 @@ DECLARED: list[Column | Family] = [
                                                      meaning="predicted " + f.column.meaning))
       for f in _COMM],
     Column("pred_error", "str", "why the row has no prediction", Kind.PREDICTED, always=False),
+    *_PRED_TIME,
 ]
 
 

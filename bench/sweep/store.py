@@ -22,9 +22,11 @@ import json
 import math
 import os
 import socket
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench.config import RunConfig
 from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Kind, Status
 
 if TYPE_CHECKING:
@@ -214,9 +216,11 @@ def _one_type(col: "pd.Series") -> "pd.Series":
                    (v if isinstance(v, str) else json.dumps(v, default=str))).astype("object")
 
 
-ADDED_LATER = tuple(name for name in ALWAYS if COLUMNS[name].kind in (Kind.EXACT, Kind.NOISY, Kind.ENVIRONMENT))
-"""Every-row columns a reader fills with None when an older table of the same schema version lacks them:
-adding a measurement or an environment field is no change of meaning (SCHEMA_VERSION's rule)."""
+ADDED_LATER = {**{f.name: f.default for f in fields(RunConfig) if f.default is not MISSING},
+               **{name: None for name in ALWAYS if COLUMNS[name].kind in (Kind.EXACT, Kind.NOISY, Kind.ENVIRONMENT)}}
+"""Every-row columns a reader fills in when an older table of the same schema version lacks them (a new
+RunConfig field with its default, a new measurement or environment field empty): adding a column is no
+change of meaning (SCHEMA_VERSION's rule)."""
 
 
 def check(df: "pd.DataFrame", source: str) -> None:
@@ -276,9 +280,9 @@ def load_results(path: str | Path) -> "pd.DataFrame":
     if "SCHEMA_VERSION" not in df.columns:
         raise ValueError(f"{path}: not a parabench results table (no SCHEMA_VERSION column)")
     _check_types(df, path)
-    for name in ADDED_LATER:  # columns added within this schema version: a table made before lacks them
+    for name, default in ADDED_LATER.items():  # added within this schema version: an older table lacks them
         if name not in df.columns:
-            df[name] = None
+            df[name] = default
     check(df, str(path))
     return df
 

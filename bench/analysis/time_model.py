@@ -1,0 +1,347 @@
+"""Step time of one config on one hardware profile, term by term. Pure maths over a StagePlan.
+
+Per pipeline rank and micro-batch, each chunk's forward and backward cost (per tp rank):
+    matmuls     FLOPs of each GEMM / the rate its shape gets: the calibrated curve (FLOP/s by FLOP per
+                call and dtype), else peak × large-GEMM efficiency × tile and wave quantisation, and
+                never faster than reading and writing its operands at the memory bandwidth
+    memory      bytes that elementwise and norm kernels read and write / memory bandwidth
+    overhead    ops × per-op dispatch cost (calibrated; 0 on GPU, where launches run ahead of the device)
+    recompute   full: the layer's forward again in backward; selective: its attention core
+    tp          every tp collective of the micro-batch, on the critical path (no overlap)
+    pp          one send per chunk boundary crossed, forward and backward, on the critical path
+Backward costs twice the forward's matmuls and memory traffic (gradients of inputs and of weights).
+Ranks that outnumber the cores slow compute by the calibrated oversubscription factor.
+
+Per step (the busiest pipeline rank sets the pace):
+    busy        m × Σ its chunks' (forward + backward + tp + pp)
+    bubble      busy × idle/busy of the shared schedule simulator (bench.schedule) for the schedule run
+    dp exposed  per backend, as it runs: once-per-step gradient reductions overlap the last
+                micro-batch's backward where the backend buckets them (native, ddp, fsdp) and the last
+                bucket is always exposed; DeepSpeed reduces after backward (exposed); per-micro-batch
+                ZeRO-3/FSDP gathers are prefetched one layer ahead, exposed where a layer's compute is
+                shorter than its gather, and the first gather always. On a CPU whose cores the ranks
+                fill, nothing overlaps (gloo runs on the ranks' cores: `can_overlap`)
+    optimizer   local optimizer-state parameters × cost per parameter + tensors × cost per tensor
+                (calibrated), else Adam's bytes over the memory bandwidth
+    step        busy + bubble + dp exposed + optimizer + per-step tp/pp collectives
+
+Implementations (`impl`): "table2" is Megatron-LM as in Korthikanti et al. 2022 (attention scores
+materialised, fused softmax and dropout, bias-dropout-add; the activations of its Table 2), "suite" is
+this suite's GPT (fused scaled-dot-product attention, no dropout, torch.autocast casts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+
+from bench.analysis.comm import Traffic, stage_traffic, wire_bytes
+from bench.analysis.hardware import Hardware, dtype_key
+from bench.analysis.memory import precision
+
+TERMS = ("compute_s", "overhead_s", "comm_exposed_tp_s", "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s",
+         "optimizer_s")
+"""The step's additive terms (step_time_s is their sum)."""
+
+# Aten ops one block of this suite's GPT dispatches (counted under TorchDispatchMode: tests/test_time_model.py).
+SUITE_OPS = {"fp32": (33, 61), "bf16": (39, 69)}  # (forward, backward)
+# Megatron-LM's fused kernels per layer, forward: 2 layernorms, 4 GEMMs + 2 batched GEMMs, fused
+# softmax, dropout, bias-gelu, 2 bias-dropout-adds (backward ≈ twice).
+TABLE2_OPS = (12, 24)
+# One optimizer step of mixed-precision Adam, bytes per parameter: the gradient norm reads the fp32
+# gradient (4); Adam reads weight, gradient, m, v and writes weight, m, v (28); the fp32 weight is cast
+# to the low-precision copy (4 + 2); the gradient buffer is zeroed (4).
+ADAM_BYTES_PER_PARAM = 42
+GPU_SMS = {"a100-80gb": 108, "h100-sxm": 132, "h200": 132}  # streaming multiprocessors (datasheets)
+TILE = (128, 256)  # output tile of the large bf16 GEMM kernels cuBLAS picks (M × N)
+
+
+@dataclass(frozen=True)
+class Matmul:
+    m: int
+    k: int
+    n: int
+    batch: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n * self.batch
+
+
+def matmul_time(mm: Matmul, hw: Hardware, dtype: str, elem: int) -> float:
+    key = dtype_key(dtype)
+    cal = hw.calibration
+    if cal is not None:
+        return mm.flops / cal.matmul_rate(key, mm.flops)
+    sms = GPU_SMS.get(hw.name)
+    quant = 1.0
+    if sms:  # output tiles run in waves of one tile per SM: a partial last wave idles the rest
+        tiles = ceil(mm.m / TILE[0]) * ceil(mm.n / TILE[1]) * mm.batch
+        quant = tiles / (ceil(tiles / sms) * sms)
+        quant *= (mm.m * mm.n) / (ceil(mm.m / TILE[0]) * TILE[0] * ceil(mm.n / TILE[1]) * TILE[1])
+    rate = hw.peak(dtype) * hw.large_matmul_efficiency * quant
+    compute = mm.flops / rate
+    traffic = elem * (mm.m * mm.k + mm.k * mm.n + mm.m * mm.n) * mm.batch
+    return max(compute, traffic / hw.memory_bw) if hw.memory_bw else compute
+
+
+@dataclass(frozen=True)
+class Work:
+    """One pass of some part of the model on one tp rank: GEMMs, memory-bound bytes, ops."""
+
+    matmuls: tuple[Matmul, ...] = ()
+    bytes: float = 0.0
+    ops: int = 0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.matmuls + other.matmuls, self.bytes + other.bytes, self.ops + other.ops)
+
+
+def backward_gemms(mms) -> tuple[Matmul, ...]:
+    """Each GEMM (M×K)·(K×N) needs two in backward: the input gradient (M×N)·(N×K) and the weight
+    gradient (K×M)·(M×N)."""
+    return tuple(g for mm in mms for g in (Matmul(mm.m, mm.n, mm.k, mm.batch), Matmul(mm.k, mm.m, mm.n, mm.batch)))
+
+
+def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
+    """(forward, backward, attention core forward) of one transformer layer for one micro-batch on one
+    tp rank. Memory-bound bytes count what each kernel reads and writes: forward y = f(x) reads x and
+    writes y; backward reads x (or y) and dy and writes dx."""
+    mc, t = cfg.model_config, cfg.tp
+    b, s, h, f = cfg.micro_batch, cfg.seq, mc.hidden, mc.ffn_hidden
+    bs, hd, heads = b * s, mc.head_dim, mc.heads // t
+    up = 2 * f if mc.activation == "swiglu" else f
+    e = precision(cfg.dtype).act
+    gemms = (Matmul(bs, h, mc.qkv_out // t), Matmul(bs, h // t, h), Matmul(bs, h, up // t), Matmul(bs, f // t, h))
+    x = bs * h / (t if cfg.sequence_parallel else 1)  # norms and residual adds run on sequence shards
+    ffn = bs * f / t
+    if impl == "table2":  # Megatron-LM: scores materialised (QKᵀ, then AV), fused kernels, dropout masks of 1 byte
+        scores = b * heads * s * s
+        core = (Matmul(s, hd, s, b * heads), Matmul(s, s, hd, b * heads))
+        soft_f = 2 * e * scores + (2 * e + 1) * scores  # scale-mask-softmax; dropout
+        soft_b = 3 * e * scores + (2 * e + 1) * scores
+        fwd = Work(gemms + core, 2 * 2 * e * x + 2 * (3 * e + 1) * x + 2 * e * ffn + soft_f, TABLE2_OPS[0])
+        bwd = Work(backward_gemms(gemms + core), 2 * 3 * e * x + 2 * (2 * e + 1) * x + 3 * e * ffn + soft_b,
+                   TABLE2_OPS[1])
+        return fwd, bwd, Work(core, soft_f)
+    # suite: fp32 residual stream and norms, autocast casts of the norm outputs and the weights, fused
+    # attention (causal: the kernel skips the masked half of the score blocks)
+    core = (Matmul(s, hd, s // 2, b * heads), Matmul(s, s // 2, hd, b * heads))
+    low = dtype_key(cfg.dtype) != "fp32"
+    casts = (2 * x * 6 + sum(mm.k * mm.n for mm in gemms) * 6) if low else 0
+    ops = SUITE_OPS[dtype_key(cfg.dtype)]
+    fwd = Work(gemms + core, 2 * 2 * 4 * x + 2 * 3 * 4 * x + 2 * e * ffn + casts, ops[0])
+    bwd = Work(backward_gemms(gemms + core), 2 * 3 * 4 * x + 2 * 2 * 4 * x + 3 * e * ffn + casts, ops[1])
+    return fwd, bwd, Work(core)
+
+
+def head_work(cfg) -> Work:
+    """The last chunk's head GEMM and cross-entropy (fp32 logits read and written ~3 times)."""
+    mc = cfg.model_config
+    bs = cfg.micro_batch * cfg.seq
+    return Work((Matmul(bs, mc.hidden, mc.vocab // cfg.tp),), 3 * 4 * bs * mc.vocab / cfg.tp, 6)
+
+
+def embed_work(cfg) -> Work:
+    bs = cfg.micro_batch * cfg.seq
+    return Work((), 3 * bs * cfg.model_config.hidden * 4, 4)
+
+
+class Device:
+    """The profile's costs as the time model reads them."""
+
+    def __init__(self, hw: Hardware, cfg):
+        self.hw, self.cfg = hw, cfg
+        cal = hw.calibration
+        self.slow = cal.slowdown(cfg.world) if cal else 1.0
+        self.bw = (cal.memory_bw if cal else hw.memory_bw) or 0.0
+        self.op_s = cal.op_overhead_s if cal else 0.0
+        self.elem = precision(cfg.dtype).act
+
+    def compute(self, w: Work) -> float:
+        mm = sum(matmul_time(m, self.hw, self.cfg.dtype, self.elem) for m in w.matmuls)
+        mem = w.bytes / self.bw if self.bw else 0.0
+        return (mm + mem) * self.slow
+
+    def overhead(self, w: Work) -> float:
+        return w.ops * self.op_s * self.slow
+
+
+def collective_time(tr: Traffic, hw: Hardware, bw: float, latency: float) -> float:
+    """One op: the calibrated latency + ring wire bytes / measured bandwidth for its kind and group
+    size, else the ring over the link (2(n−1) hops for all-reduce, n−1 for gather/scatter)."""
+    n = tr.group
+    if n <= 1 or tr.kind == "recv":
+        return 0.0
+    cal = hw.calibration and hw.calibration.collective("send" if tr.kind == "send" else tr.kind, n)
+    if cal:
+        lat, measured = cal
+        return lat + wire_bytes(tr.kind, tr.payload, n) / measured
+    hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(tr.kind, 1)
+    return hops * latency + wire_bytes(tr.kind, tr.payload, n) / bw
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One pipeline rank's costs per step (seconds)."""
+
+    compute: float  # m × its chunks' forward + backward (+ recompute) work
+    overhead: float
+    tp: float  # per-micro-batch tp collectives, all micro-batches
+    pp: float  # sends on the critical path, all micro-batches
+    last_backward: float  # one micro-batch's backward of the whole rank (hides the step's reduction)
+    traffic: tuple  # its Traffic
+
+    @property
+    def busy(self) -> float:
+        return self.compute + self.overhead + self.tp + self.pp
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """Seconds of one micro-batch on one tp rank: a layer's forward and backward (with recomputation),
+    the embedding's and the head's, and the ops of each (for the overhead)."""
+
+    layer_f: float
+    layer_b: float
+    layer_ops: int
+    embed_f: float
+    embed_b: float
+    head_f: float
+    head_b: float
+    head_ops: int
+
+
+_COSTS: dict = {}
+
+
+def part_costs(cfg, hw: Hardware, impl: str) -> PartCosts:
+    """Cached per (profile, shape of the work): the planner asks for the same layers thousands of times."""
+    key = (id(hw), cfg.model_config, cfg.tp, cfg.micro_batch, cfg.seq, cfg.sequence_parallel, cfg.dtype,
+           cfg.recompute, cfg.world, impl)
+    hit = _COSTS.get(key)
+    if hit is not None and hit[0] is hw:  # the profile is held by the entry: its id cannot be reused
+        return hit[1]
+    dev = Device(hw, cfg)
+    fwd, bwd, core = layer_work(cfg, impl)
+    redo = {"none": Work(), "selective": core, "full": fwd}[cfg.recompute]
+    embed, head = embed_work(cfg), head_work(cfg)
+    costs = PartCosts(dev.compute(fwd), dev.compute(bwd) + dev.compute(redo), fwd.ops + bwd.ops + redo.ops,
+                      dev.compute(embed), 2 * dev.compute(embed), dev.compute(head),
+                      dev.compute(Work(backward_gemms(head.matmuls), head.bytes)), 3 * head.ops)
+    if len(_COSTS) > 65536:
+        _COSTS.clear()
+    _COSTS[key] = (hw, costs)
+    return costs
+
+
+def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_state: str) -> StageTime:
+    cfg, rank = plan.cfg, plan.ranks[stage]
+    m, c = cfg.micro_batches, part_costs(plan.cfg, hw, impl)
+    f, b, ops = rank.layers * c.layer_f, rank.layers * c.layer_b, rank.layers * c.layer_ops
+    if rank.first:
+        f, b, ops = f + c.embed_f, b + c.embed_b, ops + 12
+    if rank.last:
+        f, b, ops = f + c.head_f, b + c.head_b, ops + c.head_ops
+    traffic = tuple(stage_traffic(plan, stage, mixed_state))
+    if impl == "table2":
+        traffic = megatron_traffic(cfg, rank, traffic)
+    per_mb = [tr for tr in traffic if tr.per == "micro-batch"]
+    tp = sum(collective_time(tr, hw, *links["tp"]) * tr.ops for tr in per_mb if tr.dim == "tp")
+    pp = sum(collective_time(tr, hw, *links["pp"]) * tr.ops for tr in per_mb if tr.dim == "pp")
+    return StageTime(m * (f + b), m * Device(hw, cfg).overhead(Work((), 0, ops)), tp, pp, b, traffic)
+
+
+def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:
+    """What Megatron-LM moves beyond this suite's native engine (which counts what it runs itself):
+    without sequence parallel its pipeline sends 1/t of each activation and all-gathers it over the
+    tp group on arrival (PTD-P §4.1, scatter/gather); with it, backward all-gathers the sequence-sharded
+    inputs of the qkv, fc1 and head GEMMs again for their weight gradients (they are not kept gathered); full
+    recomputation re-runs every forward collective of the layer."""
+    t, out = cfg.tp, []
+    for tr in traffic:
+        if tr.dim == "pp" and tr.kind == "send" and not cfg.sequence_parallel and t > 1:
+            out += [Traffic("pp", "send", tr.payload / t, tr.ops, tr.group, tr.what, tr.per),
+                    Traffic("tp", "all_gather", tr.payload, tr.ops, t, "scatter/gather of a pipeline send")]
+        else:
+            out.append(tr)
+    x = cfg.micro_batch * cfg.seq * cfg.model_config.hidden * precision(cfg.dtype).comm_fwd
+    if cfg.sequence_parallel and t > 1:
+        gemms = 2 * rank.layers + (1 if rank.last else 0)  # qkv and fc1 of each layer, the head
+        out.append(Traffic("tp", "all_gather", x, gemms * cfg.micro_batches, t, "re-gathered GEMM inputs"))
+    if cfg.recompute == "full" and t > 1:  # its checkpoint re-runs the whole layer, the MLP's exit collective
+        exit_op = "reduce_scatter" if cfg.sequence_parallel else "all_reduce"  # too (the native engine's stops before)
+        out.append(Traffic("tp", exit_op, x, rank.layers * cfg.micro_batches, t, "recomputed MLP exit"))
+    return tuple(out)
+
+
+def can_overlap(cfg, hw: Hardware) -> bool:
+    """Communication hides behind compute only where something else runs it: a GPU's copy engines and
+    NCCL's own SMs, or a CPU core no rank computes on. Gloo moves the bytes on the ranks' own cores, so
+    when the ranks fill the machine's cores the collective takes its time from compute."""
+    cal = hw.calibration
+    if cal is None or cal.machine.get("device", "cpu") != "cpu":
+        return True
+    return cfg.world < int(cal.machine.get("cores") or 1)
+
+
+def dp_exposed(cfg, st: StageTime, hw: Hardware, link: tuple) -> float:
+    """Data-parallel time not hidden behind compute (see the module docstring)."""
+    items = [tr for tr in st.traffic if tr.dim == "dp"]
+    gathers = sum(collective_time(tr, hw, *link) * tr.ops for tr in items if tr.per == "micro-batch")
+    ops_mb = sum(tr.ops for tr in items if tr.per == "micro-batch")
+    exposed = 0.0
+    if gathers:  # prefetched one layer ahead: the first is exposed, each other one beyond its layer's compute
+        per_gather, behind = gathers / ops_mb, st.compute / ops_mb
+        exposed = per_gather + (ops_mb - 1) * max(0.0, per_gather - behind)
+    if gathers and not can_overlap(cfg, hw):
+        exposed = gathers
+    step = [tr for tr in items if tr.per == "step"]
+    total = sum(collective_time(tr, hw, *link) * tr.ops for tr in step)
+    if not total:
+        return exposed
+    if cfg.backend == "deepspeed" or not can_overlap(cfg, hw):  # DeepSpeed reduces at the accumulation
+        return exposed + total  # boundary, after backward
+    last = max(collective_time(tr, hw, *link) for tr in step)  # the last bucket waits for the last layer
+    return exposed + max(last, total - st.last_backward)
+
+
+def optimizer_tensors(plan, stage: int) -> int:
+    """Tensors the rank's optimizer steps: DeepSpeed's ZeRO keeps one flat partition, the native
+    engine's ZeRO-1 one shard per gradient bucket, the others one per parameter (FSDP: its shard)."""
+    cfg = plan.cfg
+    if cfg.backend == "deepspeed" and cfg.zero:
+        return 1
+    if cfg.backend == "native" and cfg.zero and cfg.dp > 1:
+        buckets, sp = plan.buckets(stage)
+        return len(buckets) + bool(sp)
+    return len(plan.param_sizes(stage))
+
+
+def optimizer_time(plan, stage: int, hw: Hardware) -> float:
+    rank = plan.ranks[stage]
+    n = rank.params / plan.state_divisors[2]
+    cal = hw.calibration
+    if cal is not None:
+        per_tensor = optimizer_tensors(plan, stage) * cal.optimizer_s_per_tensor
+        return (n * cal.optimizer_s_per_param + per_tensor) * cal.slowdown(plan.cfg.world)
+    return n * ADAM_BYTES_PER_PARAM / hw.memory_bw if hw.memory_bw else 0.0
+
+
+def step_terms(plan, hw: Hardware, links: dict, impl: str = "table2", mixed_state: str = "zero") -> dict:
+    """Every term of the step (TERMS) for the busiest planned pipeline rank, plus its total."""
+    cfg = plan.cfg
+    best = None
+    for stage in plan.ranks:
+        st = stage_time(plan, stage, hw, links, impl, mixed_state)
+        per_step = [tr for tr in st.traffic if tr.per == "step" and tr.dim in ("tp", "pp")]
+        tp_step = sum(collective_time(tr, hw, *links[tr.dim]) * tr.ops for tr in per_step if tr.dim == "tp")
+        pp_step = sum(collective_time(tr, hw, *links[tr.dim]) * tr.ops for tr in per_step if tr.dim == "pp")
+        terms = {"compute_s": st.compute, "overhead_s": st.overhead, "comm_exposed_tp_s": st.tp + tp_step,
+                 "comm_exposed_pp_s": st.pp + pp_step, "comm_exposed_dp_s": dp_exposed(cfg, st, hw, links["dp"]),
+                 "bubble_s": st.busy * plan.step.bubble_over_ideal, "optimizer_s": optimizer_time(plan, stage, hw)}
+        total = sum(terms.values())
+        if best is None or total > best[0]:
+            dp_all = sum(collective_time(tr, hw, *links["dp"]) * tr.ops for tr in st.traffic if tr.dim == "dp")
+            best = (total, terms, stage, dp_all)
+    total, terms, stage, dp_all = best
+    return {**terms, "step_time_s": total, "time_stage": stage, "comm_dp_total_s": dp_all}

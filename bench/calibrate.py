@@ -1,0 +1,332 @@
+"""`bench calibrate`: micro-benchmarks of this machine that become a hardware profile the time model
+reads (bench.analysis.hardware.Calibration, bench.analysis.time_model).
+
+Measured where the benchmark's ranks run: in RankPool ranks (one thread each, the same allocator),
+with CUDA events and NCCL on a GPU node. Compute figures come from rank 0 alone; the
+oversubscription factor from k ranks running the same matmul loop at once; the collectives from
+groups of 2..world ranks (each group its own default group: ranks beyond it sit the call out).
+
+    matmul            FLOP/s by dtype over square shapes (the efficiency curve)
+    memory_bw         bytes/s of elementwise and norm kernels (add, layer norm, GELU; the median)
+    op_overhead_s     one aten op of forward + backward through tiny modules (module call, dispatch, autograd)
+    optimizer         one AdamW step with gradient clipping, per parameter and per tensor
+    collectives       latency (4-byte op) and bandwidth (large op, ring wire bytes) per op and group
+    oversubscription  k ranks' matmul time / one rank's
+
+The profile is written to a temporary file and renamed into place: an interrupted calibration
+leaves the previous profile (or none), never half of one.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.analysis.hardware import PROFILES, Calibration, Hardware, hardware_to_dict, profile_dir
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+
+
+def plan_sizes(quick: bool, cuda: bool = False) -> dict:
+    """What to measure: fewer shapes, sizes and shorter timing windows with --quick; on a GPU the shapes
+    and messages of a GPU's work (up to 8192² matmuls, 256 MiB messages, 256 MiB elementwise tensors)."""
+    if cuda:
+        return {"matmul": (256, 1024, 4096) if quick else (128, 256, 512, 1024, 2048, 4096, 8192),
+                "window_s": 0.05 if quick else 0.2, "elementwise": 1 << 26,
+                "comm_bytes": (4, 1 << 26) if quick else (4, 1 << 22, 1 << 28)}
+    return {"matmul": (32, 128, 512) if quick else (16, 32, 64, 128, 256, 512, 1024),
+            "window_s": 0.03 if quick else 0.12, "elementwise": 1 << 20,
+            "comm_bytes": (4, 1 << 20) if quick else (4, 1 << 18, 1 << 22)}
+
+
+# --- timing ---------------------------------------------------------------------------------------
+def _sync(device) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def per_call(fn, device, window_s: float, reps: int | None = None) -> float:
+    """Median seconds of one call over three timed batches filling `window_s` (CUDA: events). Collectives
+    pass `reps`: every rank must make the same number of calls."""
+    import torch
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    one = max(time.perf_counter() - t0, 1e-7)
+    reps = reps or max(1, int(window_s / 3 / one))
+    samples = []
+    for _ in range(3):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / reps)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            samples.append((time.perf_counter() - t0) / reps)
+    return statistics.median(samples)
+
+
+def _device():
+    from bench.distributed import resolve_device
+    return resolve_device("auto")
+
+
+# --- compute (rank 0) -----------------------------------------------------------------------------
+def matmul_curve(sizes, window_s: float) -> dict:
+    import torch
+    dev = _device()
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        curve = []
+        for n in sizes:
+            a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+            t = per_call(lambda: a @ b, dev, window_s)
+            curve.append([2.0 * n**3, 2.0 * n**3 / t])
+        out[name] = curve
+    return out
+
+
+def memory_bandwidth(window_s: float, n: int = 1 << 20) -> float:
+    import torch
+    import torch.nn.functional as F
+    dev = _device()
+    a, b, c = (torch.randn(n, device=dev) for _ in range(3))
+    x = a.view(-1, 256)
+    rates = [12 * n / per_call(lambda: torch.add(a, b, out=c), dev, window_s),
+             8 * n / per_call(lambda: F.layer_norm(x, (256,)), dev, window_s),
+             8 * n / per_call(lambda: F.gelu(a), dev, window_s)]
+    return statistics.median(rates)
+
+
+def op_overhead(window_s: float, blocks: int = 8) -> float:
+    """Seconds per aten op of forward + backward through a stack of tiny modules (Linear, GELU,
+    LayerNorm on 2×16 tensors): the work is nothing, so what is left is what every op of a model
+    costs on the host (module call, dispatch, autograd, allocation)."""
+    import torch
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+    dev = _device()
+    model = nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16))])
+    model.to(dev)
+    x = torch.randn(2, 16, device=dev)
+
+    def step():
+        model(x).sum().backward()
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return per_call(step, dev, window_s) / Count.ops
+
+
+def optimizer_cost(window_s: float, n: int = 1 << 21, small: int = 64) -> tuple[float, float]:
+    """(seconds per parameter, seconds per tensor) of AdamW (the suite's optimizer) + gradient clipping,
+    fp32 state: a few large tensors give the first, many one-element tensors the second."""
+    import torch
+    from bench.training import make_optimizer
+    dev = _device()
+
+    def seconds(sizes):
+        params = [torch.nn.Parameter(torch.randn(k, device=dev)) for k in sizes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = make_optimizer(params)
+
+        def step():
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        return per_call(step, dev, window_s)
+    per_tensor = seconds([1] * small) / small
+    return max(seconds([n // 8] * 8) - 8 * per_tensor, 0.0) / n, per_tensor
+
+
+def measure_compute(sizes: dict) -> dict | None:
+    """Rank 0 only: every single-rank figure."""
+    if int(os.environ.get("RANK", 0)) != 0:
+        return None
+    w = sizes["window_s"]
+    per_param, per_tensor = optimizer_cost(w)
+    return {"matmul": matmul_curve(sizes["matmul"], w), "memory_bw": memory_bandwidth(w, sizes["elementwise"]),
+            "op_overhead_s": op_overhead(w), "optimizer_s_per_param": per_param, "optimizer_s_per_tensor": per_tensor}
+
+
+def matmul_loop(k: int, window_s: float, n: int = 256) -> float | None:
+    """Ranks < k: seconds per fp32 matmul while k ranks run the same loop."""
+    if int(os.environ["RANK"]) >= k:
+        return None
+    import torch
+    dev = _device()
+    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+    return per_call(lambda: a @ b, dev, window_s)
+
+
+# --- collectives (ranks < group) ------------------------------------------------------------------
+def measure_collectives(group: int, sizes: tuple, window_s: float) -> dict | None:
+    """{op: [[payload bytes, seconds], ...]} on a default group of `group` ranks."""
+    rank = int(os.environ["RANK"])
+    if rank >= group:
+        return None
+    import torch
+    import torch.distributed as dist
+    from bench.distributed import init_from_env
+    os.environ["WORLD_SIZE"] = str(group)
+    dev = _device()
+    init_from_env(dev, timeout_s=120)
+    try:
+        out = {op: [] for op in OPS}
+        for nbytes in sizes:
+            n = max(1, nbytes // 4)
+            n = -(-n // group) * group
+            full, part = torch.ones(n, device=dev), torch.ones(n // group, device=dev)
+            peer = rank ^ 1
+            ops = {"all_reduce": lambda: dist.all_reduce(full),
+                   "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+                   "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+                   "send": lambda: _ping(full, peer, rank) if peer < group else None}
+            reps = 30 if nbytes < 1 << 16 else 4
+            for op, fn in ops.items():
+                dist.barrier()
+                out[op].append([4.0 * n, per_call(fn, dev, window_s, reps)])
+        return out
+    finally:
+        dist.destroy_process_group()
+        os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]
+
+
+def _ping(x, peer: int, rank: int) -> None:
+    """One send each way between a pair: half of it is one send's time."""
+    import torch.distributed as dist
+    if rank % 2 == 0:
+        dist.send(x, peer)
+        dist.recv(x, peer)
+    else:
+        dist.recv(x, peer)
+        dist.send(x, peer)
+
+
+def fit_collective(op: str, points: list, group: int) -> list[float]:
+    """[latency, bytes/s] from the smallest and largest message: time = latency + wire bytes / bw."""
+    from bench.analysis.comm import wire_bytes
+    kind = "send" if op == "send" else op
+    scale = 0.5 if op == "send" else 1.0  # a ping is two sends
+    (_, small_t), (big_b, big_t) = points[0], points[-1]
+    lat, big = small_t * scale, big_t * scale
+    wire = wire_bytes(kind, big_b, group)
+    # a noisy small message can read slower than its share of the large one: the large one then
+    # carries at least half its own time as transfer (never an unbounded bandwidth)
+    return [min(lat, big / 2), wire / max(big - lat, big / 2)]
+
+
+# --- the whole calibration ------------------------------------------------------------------------
+def machine() -> dict:
+    import torch
+    cpu = platform.processor() or ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu_model": cpu, "cores": os.cpu_count(), "torch": str(torch.__version__), "hostname": platform.node(),
+            "device": "cpu", "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def calibrate(world: int = 2, quick: bool = False, name: str | None = None, progress=None) -> Hardware:
+    """Measure this machine on `world` ranks; returns the calibrated profile (not yet written)."""
+    from bench.spawn import RankPool
+    sizes = plan_sizes(quick, _cuda_available())
+    groups = sorted({g for g in (2, 4, 8, world) if 2 <= g <= world})
+    steps = 1 + world + len(groups)
+    tick = progress or (lambda what: None)
+    with RankPool(world) as pool:
+        tick(f"starting {world} ranks")
+        compute = pool.call(measure_compute, sizes)[0]
+        tick("matmul, memory, ops, optimizer")
+        base = None
+        slow = {}
+        for k in range(1, world + 1):
+            t = statistics.median(v for v in pool.call(matmul_loop, k, sizes["window_s"]) if v is not None)
+            base = base or t
+            slow[k] = max(1.0, t / base)
+            tick(f"{k} rank(s) computing at once")
+        colls = {op: {} for op in OPS}
+        for g in groups:
+            got = pool.call(measure_collectives, g, sizes["comm_bytes"], sizes["window_s"])
+            times = {op: [[b, max(r[op][i][1] for r in got if r)] for i, (b, _) in enumerate(got[0][op])] for op in OPS}
+            for op in OPS:
+                colls[op][g] = fit_collective(op, times[op], g)
+            tick(f"collectives in groups of {g}")
+    info = machine()
+    info.update(quick=quick, world=world, steps=steps)
+    cal = Calibration(machine=info, collectives=colls, oversubscription=slow, **compute)
+    return profile_from(cal, name)
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def profile_from(cal: Calibration, name: str | None) -> Hardware:
+    """A full profile: the device's datasheet entry (peak FLOP/s for MFU, memory, links) with the
+    calibration attached; on CPU the peak is the largest measured matmul rate, memory the RAM per core."""
+    from bench.analysis.hardware import profile_for_device
+    device = cal.machine["device"]
+    base = profile_for_device(device) if device != "cpu" else None
+    if base is not None:
+        from dataclasses import replace
+        return replace(base, name=name or base.name, calibration=cal,
+                       source=f"calibrated on {cal.machine['hostname']} {cal.machine['measured_at']}")
+    cpu = PROFILES["cpu"]
+    peak = {k: max(r for _, r in v) for k, v in cal.matmul.items()}
+    peak["fp16"] = peak.get("bf16", peak["fp32"])
+    ar = cal.collectives["all_reduce"]
+    lat, bw = ar[min(ar)]
+    from dataclasses import replace
+    return replace(cpu, name=name or "cpu", peak_flops=peak, memory_bytes=_ram() / max(cal.machine["cores"], 1),
+                   intra_node_bw=bw, inter_node_bw=bw, intra_node_latency_s=lat, inter_node_latency_s=lat,
+                   gpus_per_node=cal.machine["cores"], memory_bw=cal.memory_bw, calibration=cal,
+                   source=f"calibrated on {cal.machine['hostname']} {cal.machine['measured_at']}")
+
+
+def _ram() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return float(PROFILES["cpu"].memory_bytes * 2)
+
+
+def write_profile(hw: Hardware, path: str | Path | None = None) -> Path:
+    """Write-then-rename: readers see the old file or the new one, never a part."""
+    import yaml
+    path = Path(path) if path else profile_dir() / f"{hw.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(hardware_to_dict(hw), f, sort_keys=False)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path

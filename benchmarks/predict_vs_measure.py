@@ -1,0 +1,115 @@
+"""Predicted vs measured step time for one set of configs, measured and predicted in one run.
+
+The default set is issue 11's world-≤ 2 set on the `small` model: native dp 2, tp 2, pp 2 (1F1B, m 4),
+ddp dp 2, fsdp full dp 2, deepspeed ZeRO-1 and ZeRO-3 dp 2. Each config runs on a RankPool of its world
+size (one thread per rank, as `bench run`); the prediction uses the calibrated `cpu` profile when
+`bench calibrate` has written one (else the built-in), exactly as the result row's pred_* columns.
+
+    bench calibrate                                      # once per machine (< 2 min)
+    .venv/bin/python benchmarks/predict_vs_measure.py
+    .venv/bin/python benchmarks/predict_vs_measure.py --set quickstart   # 4 ranks of tiny on 2 cores
+    .venv/bin/python benchmarks/predict_vs_measure.py --calibrate --out results/predict && bench report results/predict
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from bench.config import RunConfig
+from bench.spawn import RankPool
+
+SETS = {
+    "world2": [dict(backend="native", dp=2), dict(backend="native", tp=2), dict(backend="native", pp=2,
+               schedule="1f1b", micro_batches=4), dict(backend="ddp", dp=2), dict(backend="fsdp", fsdp="full", dp=2),
+               dict(backend="deepspeed", zero=1, dp=2), dict(backend="deepspeed", zero=3, dp=2)],
+    # the quickstart sweep's native layouts (sweeps/quickstart.yaml: tiny, micro-batch 2, global batch 8)
+    "quickstart": [dict(dp=4, micro_batches=1), dict(tp=2, dp=2, micro_batches=2), dict(pp=2, dp=2, micro_batches=2),
+                   dict(tp=2, pp=2, micro_batches=4), dict(micro_batches=4)],
+}
+MODEL = {"world2": "small", "quickstart": "tiny"}
+
+
+def configs(name: str, steps: int, warmup: int, dtype: str) -> list[RunConfig]:
+    return [RunConfig(model=MODEL[name], steps=steps, warmup=warmup, dtype=dtype, device="cpu", **kw)
+            for kw in SETS[name]]
+
+
+def describe(cfg: RunConfig) -> str:
+    extra = f" zero{cfg.zero}" if cfg.backend == "deepspeed" else (f" {cfg.fsdp}" if cfg.backend == "fsdp" else "")
+    return f"{cfg.backend}{extra} tp{cfg.tp} pp{cfg.pp} dp{cfg.dp} m{cfg.micro_batches}"
+
+
+def measure(cfgs: list[RunConfig]) -> list[dict]:
+    rows, pools = [], {}
+    try:
+        for cfg in cfgs:
+            pool = pools.setdefault(cfg.world, RankPool(cfg.world))
+            rows.append(pool.run(cfg))
+    finally:
+        for pool in pools.values():
+            pool.close()
+    return rows
+
+
+TERMS = ("compute", "overhead", "comm_exposed_tp", "comm_exposed_pp", "comm_exposed_dp", "bubble", "optimizer")
+
+
+def print_table(cfgs, rows) -> list[float]:
+    print(f"{'config':<32}{'measured ms':>12}{'predicted':>10}{'error':>8}   terms (ms): "
+          + " ".join(t.replace("comm_exposed_", "") for t in TERMS))
+    errors = []
+    for cfg, row in zip(cfgs, rows):
+        if row["status"] != "ok":
+            print(f"{describe(cfg):<32}{row['status']}: {str(row.get('error'))[-200:]}")
+            continue
+        pred = row.get("pred_step_time_s")
+        if pred is None:
+            print(f"{describe(cfg):<32}{row['step_time_s'] * 1e3:>12.1f}  no prediction: {row.get('pred_error')}")
+            continue
+        err = pred / row["step_time_s"] - 1
+        errors.append(err)
+        terms = " ".join(f"{row[f'pred_{t}_s'] * 1e3:.1f}" for t in TERMS)
+        print(f"{describe(cfg):<32}{row['step_time_s'] * 1e3:>12.1f}{pred * 1e3:>10.1f}{err:>+8.1%}   {terms}")
+    if errors:
+        absolute = [abs(e) for e in errors]
+        print(f"|error|: median {statistics.median(absolute):.1%}, max {max(absolute):.1%} over {len(errors)} configs "
+              f"(profile: {rows[0].get('pred_hardware')})")
+    return errors
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", choices=sorted(SETS), default="world2")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16-mixed"])
+    ap.add_argument("--calibrate", action="store_true",
+                    help="first run `bench calibrate --quick` into a temporary profiles folder, so that the profile "
+                         "sees the machine as loaded as the measurement does (a shared machine)")
+    ap.add_argument("--out", default=None, help="also write the rows to OUT/runs/<run_id>.json (for `bench report OUT`)")
+    args = ap.parse_args()
+    cfgs = configs(args.set, args.steps, args.warmup, args.dtype)
+    if args.calibrate:
+        calibrate_now(max(c.world for c in cfgs))
+    rows = measure(cfgs)
+    print_table(cfgs, rows)
+    if args.out:
+        from bench.sweep.store import ResultStore
+        store = ResultStore(args.out)
+        for row in rows:
+            store.write(row)
+
+
+def calibrate_now(world: int) -> None:
+    import os
+    import tempfile
+
+    from bench.calibrate import calibrate, write_profile
+    folder = tempfile.mkdtemp(prefix="parabench-profiles-")
+    os.environ["PARABENCH_PROFILES"] = folder  # the rank pools started next inherit it
+    path = write_profile(calibrate(world, quick=True))
+    print(f"calibrated: {path}")
+
+
+if __name__ == "__main__":
+    main()
