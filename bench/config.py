@@ -87,6 +87,8 @@ class RunConfig(BatchShape):
     repeat: int = _f(0, "repeat index of the same config (noise estimation)")
     fault: str = _f("none", "test-only fault injection: raise | hang | oom on the last rank, or sleep:MS per step")
     timeout_s: float = _f(600.0, "wall-clock limit of the run in seconds", in_id=False)
+    profile: bool = _f(False, "trace one extra, untimed step per rank with torch.profiler (Chrome JSON + op table)",
+                       in_id=False)  # the profiled step is extra and untimed: the measurement, hence the id, is the same
 
     def __post_init__(self):
         _normalize(self)

@@ -33,6 +33,10 @@ def _row(config: dict, status: Status | str, error: str | None, failed_rank: int
             "failed_rank": failed_rank, **environment()}
 
 
+HASHED_OFF_DEFAULT = {"profile": False}
+"""RunConfig fields added after the refused configs' ids were fixed → their default (left out of the hash)."""
+
+
 def _refused_config(params: dict) -> dict:
     row = {f.name: (f.default_factory() if f.default is MISSING else f.default) for f in fields(RunConfig)}
     row.update(params)
@@ -44,7 +48,9 @@ def _refused_config(params: dict) -> dict:
     if row.get("dp") == "auto":
         row["dp"] = None  # unresolved: the world size does not divide
     row = {k: (json.dumps(list(v)) if isinstance(v, (tuple, list)) else v) for k, v in row.items()}
-    digest = _digest(row)  # the whole row: a refused config has no canonical form
+    # the whole row (a refused config has no canonical form), less fields added since ids were fixed
+    # while they are at their default, so that adding one keeps every existing id
+    digest = _digest({k: v for k, v in row.items() if not (k in HASHED_OFF_DEFAULT and v == HASHED_OFF_DEFAULT[k])})
     return {**row, "run_id": digest, "config_id": digest, "global_batch": None}
 
 

@@ -23,7 +23,9 @@ def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: 
     kind = kind or spec.launcher.kind
     if kind in ("local", "debug"):
         from bench.sweep.local import DebugLauncher, LocalLauncher
-        return LocalLauncher(log=out / "ranks.log") if kind == "local" else DebugLauncher()
+        traces = out / "runs"  # a profiled run's traces: OUT/runs/<run_id>/ beside its row OUT/runs/<run_id>.json
+        return (LocalLauncher(log=out / "ranks.log", repeat_order=spec.repeat_order, traces=traces)
+                if kind == "local" else DebugLauncher(traces=traces))
     from bench.sweep.slurm import SlurmLauncher, load_profile
     options = spec.launcher.options if spec.launcher.kind == "slurm" else {}
     prof = load_profile(profile or spec.launcher.profile or "local", options, source=spec.source,
@@ -83,6 +85,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
         raise ValueError(f"{out} already holds {len(stored)} run row(s); add --resume to skip the finished runs "
                          "(--retry-failed to rerun the failed ones too), or choose another --out")
     launch.check_ready()
+    check_profile(exp.runs, launch, out)
     out.mkdir(parents=True, exist_ok=True)
     source = Path(spec.source)
     if source.is_file() and source.resolve() != (out / "sweep.yaml").resolve():
@@ -121,6 +124,17 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     store.write_parquet()
     outcome.wall_s = time.monotonic() - t_start
     return outcome
+
+
+def check_profile(runs: list[RunConfig], launch: Launcher, out: Path) -> None:
+    """Refuse, before anything starts, a profiled run whose traces could not be written beside its row."""
+    if not any(cfg.profile for cfg in runs):
+        return
+    if launch.kind not in ("local", "debug"):
+        raise ValueError(f"profile: the {launch.kind} launcher's tasks may run on hosts without this file system; "
+                         "profile with --launcher local or debug")
+    from bench.metrics.profile import check_writable
+    check_writable(out / "runs")
 
 
 def describe(cfg: RunConfig | dict) -> str:
