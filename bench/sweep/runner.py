@@ -79,13 +79,13 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     out = Path(out)
     launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
     exp = plan(spec, launch)
+    check_profile(exp.runs, launch, out)
     store = ResultStore(out, sweep_columns(spec, launch.kind))
     stored = store.statuses()
     if stored and not (resume or retry_failed):
         raise ValueError(f"{out} already holds {len(stored)} run row(s); add --resume to skip the finished runs "
                          "(--retry-failed to rerun the failed ones too), or choose another --out")
     launch.check_ready()
-    check_profile(exp.runs, launch, out)
     out.mkdir(parents=True, exist_ok=True)
     source = Path(spec.source)
     if source.is_file() and source.resolve() != (out / "sweep.yaml").resolve():
