@@ -5,9 +5,11 @@ it never touches a timed step), and each rank writes into the run's trace folder
 
     trace_rank<r>.json   Chrome / Perfetto trace (open in https://ui.perfetto.dev or chrome://tracing)
     ops_rank<r>.md       the step's time on the rank's main thread: compute, communication (time spent
-                         inside collectives and P2P, waiting included) and idle (the step's wall time
-                         outside any op: Python, the scheduler, waiting on nothing measurable), then the
-                         top ops by self time
+                         inside collectives and P2P and in the ops that wait for them) and idle (the
+                         step's wall time outside any op: Python, the OS scheduler, and the wait for an
+                         asynchronous collective, since `work.wait()` is no op: a data-parallel gradient
+                         all-reduce that backward did not hide shows up here), then the top ops by self
+                         time
 
 `check_writable` runs before anything starts, so a folder the ranks cannot write is refused in one line.
 """
