@@ -68,7 +68,10 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad if _owned(grad) else grad.clone(memory_format=torch.contiguous_format)
+        # The region's input feeds only column-parallel linears: its gradient is a fresh matmul output,
+        # reshaped to (B, T, h) (a view of a buffer of the same size that nothing else reads).
+        fresh = grad.is_contiguous() and (grad._base is None or grad._base.numel() == grad.numel())
+        grad = grad if fresh else grad.clone(memory_format=torch.contiguous_format)
         return all_reduce(grad, ctx.group), None  # (B, T, h) over tp, in place
 
 
