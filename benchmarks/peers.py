@@ -11,7 +11,7 @@ micro-batch 2 and 4, fp32 and bf16-mixed, since the ranking changes with the sha
 
     .venv/bin/python benchmarks/peers.py                               # 5 repeats, everything
     .venv/bin/python benchmarks/peers.py --layouts tp2 --dtypes fp32 --micro-batch 4 --repeats 3
-    .venv/bin/python benchmarks/peers.py --profile                     # + each run once more, profiled
+    .venv/bin/python benchmarks/peers.py --profile                     # + each run once more, profiled: overhead
     .venv/bin/python benchmarks/peers.py --summary results/peers       # re-read a finished invocation
 
 Rows land in OUT (default results/peers/<time>) like any sweep's; `bench report OUT` renders them.
@@ -33,20 +33,19 @@ WORLD2 = ("dp2", "pp2", "tp2")
 BACKENDS = ("native", "ddp", "fsdp", "deepspeed")
 
 
-def sweep_data(args) -> dict:
+def sweep_data(args, repeats: int | None = None, profile: bool = False) -> dict:
     layouts = [LAYOUTS[name] for name in args.layouts]
     # backend innermost but for the layout: one shape's backends run minutes apart at most
     grid = {"micro_batch": args.micro_batch, "dtype": args.dtypes, "backend": list(BACKENDS)}
-    if args.profile:
-        grid["profile"] = [False, True]
     return {
         "name": "peers", "model": args.model,
-        "base": {"steps": args.steps, "warmup": args.warmup, "device": "cpu", "schedule": "1f1b", "timeout_s": 300.0},
+        "base": {"steps": args.steps, "warmup": args.warmup, "device": "cpu", "schedule": "1f1b", "timeout_s": 300.0,
+                 "profile": profile},
         "grid": grid,
         "zip": [{"world_size": [w for w, *_ in layouts], "tp": [t for _, t, *_ in layouts],
                  "pp": [p for _, _, p, *_ in layouts], "dp": [d for *_, d, _ in layouts],
                  "micro_batches": [m for *_, m in layouts]}],
-        "repeats": args.repeats, "repeat_order": "interleaved", "launcher": "local",
+        "repeats": repeats or args.repeats, "repeat_order": "interleaved", "launcher": "local",
     }
 
 
@@ -59,7 +58,7 @@ def summarise(df) -> list[dict]:
     """Per layout × micro-batch × dtype (× profile): each backend's median step time and spread; native / best peer."""
     ok = df[df.status == "ok"].copy()
     ok["layout"] = [layout_name(r) for r in ok.itertuples()]
-    keys = ["layout", "micro_batch", "dtype"] + (["profile"] if "profile" in ok and ok.profile.nunique() > 1 else [])
+    keys = ["layout", "micro_batch", "dtype"]
     out = []
     for key, shape in ok.groupby(keys, sort=False):
         times = {b: sorted(g.step_time_s.astype(float)) for b, g in shape.groupby("backend")}
@@ -78,8 +77,7 @@ def summarise(df) -> list[dict]:
 def print_summary(summary: list[dict], load: str) -> None:
     print(f"median step ms [min–max over repeats]; ratio = native / best peer (≤ 0.95: native leads); {load}")
     for s in summary:
-        shape = f"{s['layout']:<7} mb {s['micro_batch']} {s['dtype']:<10}" + (
-            f" profile={s['profile']}" if "profile" in s else "")
+        shape = f"{s['layout']:<7} mb {s['micro_batch']} {s['dtype']:<10}"
         cells = "  ".join(f"{b} {v['median'] * 1e3:.0f} [{v['min'] * 1e3:.0f}–{v['max'] * 1e3:.0f}] n{v['n']}"
                           for b, v in sorted(s["stats"].items()))
         ratio = f"{s['ratio']:.3f} vs {s['best_peer']}" if s["ratio"] is not None else "-"
@@ -87,22 +85,37 @@ def print_summary(summary: list[dict], load: str) -> None:
         print(f"{shape}  ratio {ratio:<18} (of minima {ratio_min})  {cells}")
     by_layout: dict[str, list[float]] = {}
     for s in summary:
-        if s["ratio"] is not None and not s.get("profile"):
+        if s["ratio"] is not None:
             by_layout.setdefault(s["layout"], []).append(s["ratio"])
     print("per layout, ratio over shapes (max / median): " + "  ".join(
         f"{k} {max(v):.3f} / {statistics.median(v):.3f}" for k, v in by_layout.items()))
-    if any("profile" in s for s in summary):
-        print_profile_overhead(summary)
 
 
-def print_profile_overhead(summary: list[dict]) -> None:
-    """The profiled step is extra and untimed: step times with and without --profile should agree within noise."""
-    plain = {(s["layout"], s["micro_batch"], s["dtype"]): s for s in summary if not s["profile"]}
-    for s in summary:
-        base = plain.get((s["layout"], s["micro_batch"], s["dtype"])) if s["profile"] else None
-        if base:
-            print(f"profile on/off {s['layout']} mb {s['micro_batch']} {s['dtype']}: " + "  ".join(
-                f"{b} {v['median'] / base['stats'][b]['median']:.3f}" for b, v in s["stats"].items() if b in base["stats"]))
+def print_profile_overhead(plain: list[dict], profiled: list[dict]) -> None:
+    """The profiled step is extra and untimed: step times with and without profile should agree within noise."""
+    shape = lambda s: (s["layout"], s["micro_batch"], s["dtype"])  # noqa: E731
+    base = {shape(s): s for s in plain}
+    print("step time with profile / without (median over repeats; 1 = no overhead):")
+    for s in profiled:
+        if shape(s) in base:
+            print(f"  {s['layout']:<7} mb {s['micro_batch']} {s['dtype']:<10} " + "  ".join(
+                f"{b} {v['median'] / base[shape(s)]['stats'][b]['median']:.3f}"
+                for b, v in sorted(s["stats"].items()) if b in base[shape(s)]["stats"]))
+
+
+def run_with_and_without_profile(args, out: Path) -> None:
+    """A profiled run has the same run id as the plain one (the profiled step is extra), so the two go to
+    OUT/plain and OUT/profiled, round by round: repeat k of both before repeat k+1 of either."""
+    from bench.sweep.runner import run_sweep
+    from bench.sweep.spec import parse_sweep
+    from bench.sweep.store import load_results
+    for k in range(args.repeats):
+        for profile in (False, True):
+            spec = parse_sweep(sweep_data(args, repeats=k + 1, profile=profile), source="benchmarks/peers.py")
+            run_sweep(spec, out / ("profiled" if profile else "plain"), resume=k > 0)  # runs repeat k only
+    plain, profiled = (summarise(load_results(out / part)) for part in ("plain", "profiled"))
+    print_summary(plain, load_line())
+    print_profile_overhead(plain, profiled)
 
 
 def load_line() -> str:
@@ -119,7 +132,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--profile", action="store_true", help="every run once more with profile: true (prints the overhead)")
+    ap.add_argument("--profile", action="store_true",
+                    help="every run also with profile: true, in OUT/profiled (prints the step-time ratio)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--summary", type=Path, default=None, help="only summarise the rows of a finished invocation")
     args = ap.parse_args()
@@ -132,6 +146,9 @@ def main() -> None:
     from bench.sweep.runner import run_sweep
     from bench.sweep.spec import parse_sweep
     out = args.out or Path("results/peers") / time.strftime("%Y%m%dT%H%M%S")
+    if args.profile:
+        run_with_and_without_profile(args, out)
+        return
     before = load_line()
     run_sweep(parse_sweep(sweep_data(args), source="benchmarks/peers.py", default_name="peers"), out)
     print(f"rows in {out}; git {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")

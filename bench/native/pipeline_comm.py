@@ -41,15 +41,15 @@ class PipeComm:
         x = x.detach().contiguous()
         self._sends.append((dist.isend(x, dst=dst, group=self._group(tag), tag=tag), x))  # keep x alive
 
-    def _recv(self, shape, dtype, device, src: int, tag: int) -> "Posted":
+    def _recv(self, shape, dtype, device, src: int, tag: int) -> Posted:
         out = torch.empty(shape, dtype=dtype, device=device)
         return Posted(dist.irecv(out, src=src, group=self._group(tag), tag=tag), out)
 
-    def post_forward(self, shape, dtype, device, chunk: int) -> "Posted":
+    def post_forward(self, shape, dtype, device, chunk: int) -> Posted:
         """Post the receive of (b, s[/tp], h) activations ← the previous stage, into chunk `chunk`."""
         return self._recv(shape, dtype, device, self.prev, 2 * chunk)
 
-    def post_backward(self, shape, dtype, device, chunk: int) -> "Posted":
+    def post_backward(self, shape, dtype, device, chunk: int) -> Posted:
         """Post the receive of (b, s[/tp], h) output gradients ← the next stage, into chunk `chunk`."""
         return self._recv(shape, dtype, device, self.next, 2 * chunk + 1)
 
