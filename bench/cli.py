@@ -25,7 +25,11 @@ def app():
 def run(launcher, as_json, trace_dir, **options):
     """Run one benchmark configuration and print its result row."""
     cfg = config_from_options(options)
-    from bench.sweep.local import run_debug, run_local
+    from bench.sweep.local import DebugLauncher, run_debug, run_local
+    from bench.sweep.runner import local_size_reason
+    reason = local_size_reason(cfg.world) if launcher == "local" else DebugLauncher().unsupported(cfg)
+    if reason:  # before anything starts
+        raise ConfigError(reason)
     if cfg.profile:
         from bench.metrics.profile import check_writable
         check_writable(trace_dir)  # refused in one line before any rank starts
@@ -71,19 +75,61 @@ def _register_groups() -> None:
 _register_groups()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The one error handler: a known mistake prints `error: …` (one line, naming the key, value or
+    file) and exits 2; Ctrl-C exits 130; anything else is a bug of ours: one line, the traceback saved to
+    a file (never printed), exit 3. `bench run` exits 1 for a failed run, `compare` 1 for a regression."""
     try:
-        app(standalone_mode=False)
+        app(args=argv, prog_name="bench", standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
+    except getattr(click.exceptions, "NoArgsIsHelpError", ()) as e:  # `bench`, `bench history`: the help
+        click.echo(e.ctx.get_help(), err=True)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except click.ClickException as e:  # click's own mistakes (an option's type, a missing argument) as one line
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        click.echo(f"error: {e.format_message()}{hint}", err=True)
+        sys.exit(2)
+    except (click.exceptions.Abort, KeyboardInterrupt):
         sys.exit(130)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        click.echo(f"error: {e}", err=True)
+    except BrokenPipeError:  # `bench … | head`
+        sys.exit(0)
+    except (ConfigError, ValueError, OSError) as e:
+        click.echo(f"error: {_one_line(e)}", err=True)
         sys.exit(2)
+    except Exception as e:  # noqa: BLE001 - the last resort: no raw traceback for a user
+        click.echo(f"internal error: {type(e).__name__}: {_one_line(e)} (traceback saved to {_save_traceback()}; "
+                   "please report it)", err=True)
+        sys.exit(3)
+
+
+def _one_line(error: BaseException) -> str:
+    """The message of a known error as one line: an OSError as `path: reason`."""
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"{error.filename}: {error.strerror or error}"
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    return " · ".join(lines[:3])[:2000] or type(error).__name__
+
+
+def _save_traceback() -> str:
+    """The current exception's traceback in ~/.cache/parabench/tracebacks/ (or the temp folder)."""
+    import os
+    import tempfile
+    import time
+    import traceback
+    text = traceback.format_exc()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    for folder in (os.path.join(cache, "parabench", "tracebacks"), tempfile.gettempdir()):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt")
+            with open(path, "w") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    return "nowhere: no writable folder"
 
 
 if __name__ == "__main__":

@@ -8,11 +8,41 @@ from dataclasses import fields
 
 import click
 
-from bench.config import RunConfig, field_types
+from bench.config import MAX_RANKS, RunConfig, check_number, field_types
+
+
+class Number(click.ParamType):
+    """A number option checked by the rules RunConfig and the sweep files use (bench.config.check_number):
+    an integer where one is meant (no '2.5' → 2), finite, within `bounds` = (low, high, low_open)."""
+
+    def __init__(self, integer: bool, bounds: tuple, label: str | None = None):
+        self.integer, self.bounds, self.label = integer, bounds, label
+        self.name = "integer" if integer else "number"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = value
+        else:
+            try:
+                number = int(str(value).strip()) if self.integer else float(str(value).strip())
+            except ValueError:
+                self.fail(f"{value!r} is not {'an integer' if self.integer else 'a number'}", param, ctx)
+        reason = check_number(self.label or (param.name if param else "value"), number, self.integer, self.bounds)
+        if reason:
+            self.fail(reason, param, ctx)
+        return number
+
+
+def positive_int(high: int = MAX_RANKS) -> Number:
+    return Number(True, (1, high, False))
+
+
+FRACTION = Number(False, (0, 1, True))
+"""A share in (0, 1]: --memory-fraction."""
 
 
 def config_options(func):
-    """One CLI option per RunConfig field, named, typed and documented by the field itself."""
+    """One CLI option per RunConfig field, named, typed, bounded and documented by the field itself."""
     types = field_types()
     for f in reversed(fields(RunConfig)):
         flag, meta, (kind, _) = "--" + f.name.replace("_", "-"), f.metadata, types[f.name]
@@ -21,7 +51,10 @@ def config_options(func):
         elif kind is tuple:
             func = click.option(flag, f.name, multiple=True, help=meta["help"])(func)
         else:
-            kind = click.Choice([str(c) for c in meta["choices"]]) if meta["choices"] else kind
+            if meta["choices"]:
+                kind = click.Choice([str(c) for c in meta["choices"]])
+            elif meta["bounds"]:
+                kind = Number(kind is int, meta["bounds"])
             func = click.option(flag, f.name, type=kind, default=None, help=meta["help"])(func)
     return func
 

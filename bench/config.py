@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from functools import lru_cache
@@ -29,9 +30,42 @@ class ConfigError(ValueError):
     """A configuration the user must fix; the message names the fields and the fix."""
 
 
-def _f(default, help: str, choices: tuple | None = None, in_id: bool = True):
+def _f(default, help: str, choices: tuple | None = None, in_id: bool = True, bounds: tuple | None = None):
+    """A RunConfig field; `bounds` = (low, high, low_open): the range of a number, read by RunConfig's own
+    check, the CLI's option types and the sweep file's schema alike (check_number)."""
     kw = {"default_factory": default} if callable(default) else {"default": default}
-    return field(metadata={"help": help, "choices": choices, "in_id": in_id}, **kw)
+    return field(metadata={"help": help, "choices": choices, "in_id": in_id, "bounds": bounds}, **kw)
+
+
+# Sane ranges: beyond them a value is a typo, and would run for days or overflow a column (int64).
+MAX_RANKS = 1_000_000
+MAX_STEPS = 1_000_000
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+POSITIVE = lambda high: (1, high, False)  # noqa: E731
+NON_NEGATIVE = lambda high: (0, high, False)  # noqa: E731
+
+
+def check_number(name: str, value, integer: bool, bounds: tuple) -> str | None:
+    """Why `value` cannot be `name` (not a number; a float where an integer is meant; nan or inf; out of
+    range), or None. One rule for every door a number comes in by: CLI, sweep file, RunConfig(...)."""
+    low, high, low_open = bounds
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}"
+    if integer and not isinstance(value, int):
+        return f"{name} must be an integer, got {value!r}"
+    if not math.isfinite(value):
+        return f"{name} must be a finite number, got {value!r}"
+    if integer and low in (0, 1) and not low_open and value < low:
+        return f"{name} must be a {'positive' if low else 'non-negative'} integer, got {value!r}"
+    if value < low or (low_open and value == low):
+        return f"{name} must be {'>' if low_open else '≥'} {_plain(low)}, got {value!r}"
+    if value > high:
+        return f"{name} must be ≤ {_plain(high)}, got {value!r}"
+    return None
+
+
+def _plain(number) -> str:
+    return f"{number:,}" if isinstance(number, int) else f"{number:g}"
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -63,30 +97,35 @@ class RunConfig(BatchShape):
     model: str = _f("tiny", "model preset (models.PRESETS)")
     model_overrides: tuple = _f(tuple, "preset fields to override, as KEY=VALUE (e.g. layers=8)")
     backend: str = _f("native", "training backend", BACKENDS)
-    tp: int = _f(1, "tensor-parallel size")
-    pp: int = _f(1, "pipeline-parallel size (stages)")
-    dp: int = _f(1, "data-parallel size (replicas)")
+    tp: int = _f(1, "tensor-parallel size", bounds=POSITIVE(MAX_RANKS))
+    pp: int = _f(1, "pipeline-parallel size (stages)", bounds=POSITIVE(MAX_RANKS))
+    dp: int = _f(1, "data-parallel size (replicas)", bounds=POSITIVE(MAX_RANKS))
     order: str = _f("tp-pp-dp", "rank order, fastest dimension first", ORDERS)
     zero: int = _f(0, "ZeRO stage: native 0-1, deepspeed 0-3", ZERO_STAGES)
     fsdp: str | None = _f(None, "FSDP sharding (backend fsdp only; default full)", FSDP_MODES)
     schedule: str = _f("1f1b", "pipeline schedule", SCHEDULES)
-    virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)")
-    micro_batch: int = _f(2, "sequences per micro-batch")
-    micro_batches: int = _f(1, "micro-batches per step and pipeline (gradient accumulation when pp = 1)")
-    seq: int | None = _f(None, "sequence length (default: the model's seq_len)")
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", bounds=POSITIVE(1024))
+    micro_batch: int = _f(2, "sequences per micro-batch", bounds=POSITIVE(1 << 20))
+    micro_batches: int = _f(1, "micro-batches per step and pipeline (gradient accumulation when pp = 1)",
+                            bounds=POSITIVE(1 << 20))
+    seq: int | None = _f(None, "sequence length (default: the model's seq_len)", bounds=POSITIVE(1 << 24))
     dtype: str = _f("fp32", "training precision", DTYPES)
     sequence_parallel: bool = _f(False, "shard norm/dropout regions along the sequence (needs tp > 1)")
     recompute: str = _f("none", "activation recomputation", RECOMPUTE)
-    bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB")
-    steps: int = _f(5, "timed optimizer steps")
-    warmup: int = _f(2, "untimed optimizer steps before timing")
-    seed: int = _f(0, "seed of weights and data")
+    bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB", bounds=(0, 1 << 20, True))
+    steps: int = _f(5, "timed optimizer steps", bounds=POSITIVE(MAX_STEPS))
+    warmup: int = _f(2, "untimed optimizer steps before timing", bounds=NON_NEGATIVE(MAX_STEPS))
+    seed: int = _f(0, "seed of weights and data", bounds=NON_NEGATIVE(2**32 - 1))
     device: str = _f("auto", "device (auto = cuda when available, else cpu)", DEVICES)
     ds_set: tuple = _f(tuple, "DeepSpeed config override KEY=VALUE with a dotted key (repeatable)")
-    world_size: int | None = _f(None, "expected world size; must equal tp × pp × dp when given")
-    repeat: int = _f(0, "repeat index of the same config (noise estimation)")
-    fault: str = _f("none", "test-only fault injection: raise | hang | oom on the last rank, or sleep:MS per step")
-    timeout_s: float = _f(600.0, "wall-clock limit of the run in seconds", in_id=False)
+    world_size: int | None = _f(None, "expected world size; must equal tp × pp × dp when given",
+                                bounds=POSITIVE(MAX_RANKS))
+    repeat: int = _f(0, "repeat index of the same config (noise estimation)", bounds=NON_NEGATIVE(10_000))
+    fault: str = _f("none", "test-only fault injection, comma-separated: raise | hang | oom | oom_real on the "
+                            "last rank; sleep:MS per step; stage_sleep:MS per pipeline compute section (native); "
+                            "grad_scale:K, lr_scale:K, sgd:LR at every optimizer step")
+    timeout_s: float = _f(600.0, "wall-clock limit of the run in seconds", in_id=False,
+                          bounds=(0, MAX_TIMEOUT_S, True))
     profile: bool = _f(False, "trace one extra, untimed step per rank with torch.profiler (Chrome JSON + op table)",
                        in_id=False)  # the profiled step is extra and untimed: the measurement, hence the id, is the same
 
@@ -151,6 +190,9 @@ def field_types(cls: type = None) -> dict[str, tuple[type, bool]]:
     return out
 
 
+FIELDS = {f.name: f for f in fields(RunConfig)}
+
+
 def _default(f):
     return f.default_factory() if f.default is MISSING else f.default
 
@@ -213,7 +255,8 @@ def _coerce(key: str, value):
     try:
         return kind(value)
     except ValueError:
-        raise ConfigError(f"model_overrides {key}={value}: {key} must be {kind.__name__}") from None
+        wanted = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        raise ConfigError(f"model_overrides {key}={value}: {key} must be {wanted}") from None
 
 
 def _normalize(cfg: RunConfig) -> None:
@@ -246,20 +289,62 @@ def _validate_fields(cfg: RunConfig) -> None:
         if choices and value is not None and value not in choices:
             raise ConfigError(f"{f.name} is {value!r}{suggest(str(value), map(str, choices))} "
                               f"(choose one of {', '.join(map(str, choices))})")
-    for name in ("tp", "pp", "dp", "virtual_stages", "micro_batch", "micro_batches", "seq", "steps"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    for name in ("warmup", "seed", "repeat"):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 0:
-            raise ConfigError(f"{name} must be a non-negative integer, got {getattr(cfg, name)!r}")
-    if cfg.fault not in ("none", "raise", "hang", "oom") and not cfg.fault.startswith("sleep:"):
-        raise ConfigError(f"fault is {cfg.fault!r}; choose none, raise, hang, oom or sleep:MS")
-    if cfg.bucket_mb <= 0:
-        raise ConfigError(f"bucket_mb must be > 0, got {cfg.bucket_mb}")
+        reason = field_reason(f.name, value)
+        if reason:
+            raise ConfigError(reason)
+    if fault_reason(cfg.fault):
+        raise ConfigError(fault_reason(cfg.fault))
     if cfg.world_size is not None and cfg.world != cfg.world_size:
         raise ConfigError(f"tp ({cfg.tp}) × pp ({cfg.pp}) × dp ({cfg.dp}) = {cfg.world}, "
                           f"but world_size is {cfg.world_size}")
+
+
+def field_reason(name: str, value) -> str | None:
+    """Why `value` cannot be RunConfig field `name` by its type and bounds (None: fine, or a field
+    without bounds). A number field's None is its default-to-derive (seq, world_size) or not given."""
+    bounds = FIELDS[name].metadata["bounds"]
+    if bounds is None or value is None:
+        return None
+    return check_number(name, value, field_types()[name][0] is int, bounds)
+
+
+# Test-only faults: name → whether it takes a number (`sleep:400`). See bench.worker for what each does.
+FAULTS = {"raise": False, "hang": False, "oom": False, "oom_real": False, "sleep": True, "stage_sleep": True,
+          "grad_scale": True, "lr_scale": True, "sgd": True}
+FAULT_LIMIT = 3_600_000
+"""No fault number may exceed this (an hour in milliseconds for the sleeps; far above any sane scale)."""
+
+
+def parse_fault(fault: str) -> dict[str, float | None]:
+    """`"sgd:1,grad_scale:2"` → {"sgd": 1.0, "grad_scale": 2.0}; "none" → {}. Raises ConfigError."""
+    if fault == "none":
+        return {}
+    if not isinstance(fault, str):
+        raise ConfigError(f"fault is {fault!r}; choose none or a comma-separated list of test-only faults")
+    out: dict[str, float | None] = {}
+    for part in fault.split(","):
+        name, _, number = part.strip().partition(":")
+        if name not in FAULTS or FAULTS[name] != bool(number):
+            usage = ", ".join(f"{k}:X" if v else k for k, v in FAULTS.items())
+            raise ConfigError(f"fault is {fault!r}; choose none or a comma-separated list of {usage}")
+        try:
+            value = float(number) if number else None
+        except ValueError:
+            raise ConfigError(f"fault {part!r}: {number!r} is not a number (e.g. sleep:50)") from None
+        reason = value is not None and check_number(name, value, False, (0, FAULT_LIMIT, False))
+        if reason:
+            raise ConfigError(f"fault {part!r}: {reason}")
+        out[name] = value
+    return out
+
+
+def fault_reason(fault) -> str | None:
+    """Why `fault` is not a valid test-only fault list, or None."""
+    try:
+        parse_fault(fault)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def structural_reason(shape) -> str | None:

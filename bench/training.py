@@ -70,7 +70,11 @@ class Trainer(ABC):
         return None
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Local tensors of the model state: params, grads and optimizer state (shards, not full)."""
+        """Every tensor this rank keeps from one step to the next for training, local shards only:
+        the model's parameters, their gradients, and everything the optimizer owns (its state, and
+        any copies it steps on instead of the parameters: master weights, flat shards and their
+        gradients). Counted by `bench.metrics.memory.state_bytes` (each storage once, first in
+        params, then grads, then optimizer), the same rule for every backend."""
         params = list(self.model.parameters())
         return {"params": params, "grads": [p.grad for p in params],
                 "optimizer": optimizer_tensors(self.optimizer)}

@@ -29,15 +29,40 @@ def kind(value) -> str:
             bool: "a boolean", int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
 
 
-def load_yaml(path: Path) -> Any:
+def read_text(path: Path, what: str = "YAML file") -> str:
+    """A user's text file, or a FileError naming it: missing, a folder, unreadable, binary or not UTF-8.
+    A UTF-8 byte-order mark (Windows editors) is dropped."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileError(str(path), "", f"is a folder, not a {what}")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FileError(str(path), "", f"no such {what}") from None
+    except OSError as e:
+        raise FileError(str(path), "", f"cannot read the {what}: {e.strerror or e}") from None
+    if b"\0" in data:
+        raise FileError(str(path), "", f"a binary file, not a {what} (text)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise FileError(str(path), "", f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                                       "save the file as UTF-8") from None
+
+
+def load_yaml(path: Path, what: str = "YAML file") -> Any:
     """The parsed file; malformed YAML is a FileError naming the line and column."""
     import yaml
+    text = read_text(path, what)
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise FileError(str(path), "", f"malformed YAML: {where}{getattr(e, 'problem', None) or e}") from None
+        problem_ = str(getattr(e, "problem", None) or e).splitlines()[0]
+        raise FileError(str(path), "", f"malformed YAML: {where}{problem_}") from None
+    except RecursionError:
+        raise FileError(str(path), "", "malformed YAML: nested too deeply") from None
 
 
 def key_path(loc: tuple, prefix: str = "") -> str:
@@ -48,7 +73,8 @@ def key_path(loc: tuple, prefix: str = "") -> str:
     return out
 
 
-WANTS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false", "string_type": "a string",
+WANTS = {"int_type": "an integer", "float_type": "a number", "finite_number": "a finite number",
+         "bool_type": "true or false", "string_type": "a string",
          "dict_type": "a mapping", "list_type": "a list", "tuple_type": "a list", "model_type": "a mapping",
          "dataclass_type": "a mapping", "int_from_float": "an integer", "int_parsing": "an integer",
          "float_parsing": "a number", "bool_parsing": "true or false"}
@@ -80,6 +106,9 @@ def problem(error: dict, unknown: Callable[[tuple], str] = known_keys("key", ())
     if kind_ in ("greater_than_equal", "greater_than"):
         sign = "≥" if kind_ == "greater_than_equal" else ">"
         return f"{field} must be {sign} {ctx.get('ge', ctx.get('gt'))}, got {value!r}"
+    if kind_ in ("less_than_equal", "less_than"):
+        sign = "≤" if kind_ == "less_than_equal" else "<"
+        return f"{field} must be {sign} {ctx.get('le', ctx.get('lt'))}, got {value!r}"
     if kind_ == "missing":
         return f"{field} is missing"
     if kind_ in ("value_error", "assertion_error"):  # raised by our own checks: their text as written

@@ -8,22 +8,25 @@ slow what they measure, so they are never timed; what they count per step is det
 """
 from __future__ import annotations
 
+import resource
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from bench.backends.registry import get_backend
-from bench.config import RunConfig
+from bench.config import RunConfig, parse_fault
 from bench.distributed import ProcessGroups, init_from_env, resolve_device, shutdown
 from bench.layout import Layout
 from bench.metrics.comm import CommCounter
 from bench.metrics.flops import peak_flops
-from bench.metrics.memory import PeakMemory, tensor_bytes
+from bench.metrics.memory import PeakMemory, state_bytes
 from bench.metrics.sync import HostSyncCounter
 from bench.metrics.timer import StepTimer
 from bench.results import format_exception, measured_row as make_row  # noqa: F401 - the row is built there
-from bench.training import RunContext
+from bench.training import ADAMW, RunContext
 
 
 def run(cfg: RunConfig, trace_dir: str | None = None) -> dict | None:
@@ -48,15 +51,83 @@ def run(cfg: RunConfig, trace_dir: str | None = None) -> dict | None:
 
 
 def _inject_fault(cfg: RunConfig, rank: int) -> None:
-    """Test-only faults (RunConfig.fault) on the last rank; `sleep:MS` slows every step of every rank."""
-    if cfg.fault.startswith("sleep:"):
-        time.sleep(float(cfg.fault.split(":", 1)[1]) / 1e3)
-    elif rank == cfg.world - 1 and cfg.fault == "raise":
+    """Test-only faults (RunConfig.fault) before a step: `raise`, `hang`, `oom` (an injected MemoryError)
+    and `oom_real` (a real allocation failure) on the last rank; `sleep:MS` slows every step of every rank."""
+    faults, last = parse_fault(cfg.fault), rank == cfg.world - 1
+    if "sleep" in faults:
+        time.sleep(faults["sleep"] / 1e3)
+    if last and "raise" in faults:
         raise RuntimeError("injected fault (fault=raise)")
-    elif rank == cfg.world - 1 and cfg.fault == "oom":
+    if last and "oom" in faults:
         raise MemoryError("injected fault (fault=oom): out of memory")
-    elif rank == cfg.world - 1 and cfg.fault == "hang":
+    if last and "oom_real" in faults:
+        _allocate_beyond_a_limit()
+    if last and "hang" in faults:
         time.sleep(10**6)
+
+
+def _allocate_beyond_a_limit(gib: int = 1) -> None:
+    """A real allocation failure: cap this process's address space just above what it maps now and
+    allocate `gib` GiB (the allocator's own error propagates). The cap is lifted again either way."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as f:
+        mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + 64 * 2**20, hard))
+    try:
+        torch.ones(gib * 2**30, dtype=torch.uint8)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@contextmanager
+def optimizer_faults(fault: str):
+    """Test-only faults at every optimizer step while inside, through torch's global step hooks: the one
+    place every backend's update goes through (DeepSpeed steps its client torch optimizer on its flat
+    fp32 partitions, FSDP on DTensor shards, native ZeRO-1 on its shards).
+
+    grad_scale:K  multiplies every gradient by K before the step (K = dp: the dp-sum bug, gradients
+                  summed over replicas instead of averaged)
+    lr_scale:K    runs the step at K × the learning rate (0: a run that does not train)
+    sgd:LR        replaces the update by plain SGD, p ← p − LR · grad: unlike Adam's, scale-sensitive, so
+                  θ₀ − θ₁ is the gradient the optimizer applied (tests/parity.py compares it)"""
+    faults, handles = parse_fault(fault), []
+    if "grad_scale" in faults:
+        @torch.no_grad()
+        def scale_grads(opt, args, kwargs):
+            for p in _stepped(opt):
+                _local(p.grad).mul_(faults["grad_scale"])
+        handles.append(register_optimizer_step_pre_hook(scale_grads))
+    if "lr_scale" in faults:
+        def scale_lr(opt, args, kwargs):
+            for group in opt.param_groups:
+                group["lr"] = ADAMW["lr"] * faults["lr_scale"]
+        handles.append(register_optimizer_step_pre_hook(scale_lr))
+    if "sgd" in faults:
+        before: dict[int, torch.Tensor] = {}
+
+        @torch.no_grad()
+        def keep(opt, args, kwargs):
+            before.update({id(p): _local(p).clone() for p in _stepped(opt)})
+
+        @torch.no_grad()
+        def sgd(opt, args, kwargs):  # undo the optimizer's own update, apply plain SGD instead
+            for p in _stepped(opt):
+                _local(p).copy_(before.pop(id(p)) - faults["sgd"] * _local(p.grad))
+        handles += [register_optimizer_step_pre_hook(keep), register_optimizer_step_post_hook(sgd)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _stepped(opt) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP, DTensor TP), updated in place; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _measure(cfg: RunConfig, ctx: RunContext, trace_dir: str | None = None) -> dict:
@@ -64,7 +135,11 @@ def _measure(cfg: RunConfig, ctx: RunContext, trace_dir: str | None = None) -> d
     timed, and the loss is read (the step's one host sync) after the timer stops. Instruments that
     would disturb a timed step run on extra, untimed steps: the trainer's own meter (e.g. the pipeline
     bubble), then the communication and host-sync counters."""
-    trainer = get_backend(cfg.backend).build(cfg, ctx)
+    with optimizer_faults(cfg.fault):
+        return _measure_trainer(cfg, ctx, get_backend(cfg.backend).build(cfg, ctx), trace_dir)
+
+
+def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer, trace_dir: str | None = None) -> dict:
     train = _with_fault(trainer.train, cfg, ctx.groups.rank) if cfg.fault != "none" else trainer.train
     try:
         losses = [_value(train(trainer.batch(step))) for step in range(cfg.warmup)]
@@ -75,7 +150,7 @@ def _measure(cfg: RunConfig, ctx: RunContext, trace_dir: str | None = None) -> d
                 with timer:
                     loss = train(batch)
                 losses.append(_value(loss))
-        state = {k: tensor_bytes(v) for k, v in trainer.state_tensors().items()}
+        state = state_bytes(trainer.state_tensors())
         extra = cfg.warmup + cfg.steps
         meter = trainer.meter()
         if meter is not None:

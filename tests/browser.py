@@ -2,6 +2,7 @@
 the page saw (images loaded, script errors, console errors)."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -26,6 +27,19 @@ window.addEventListener('load', () => {
 
 def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def require_chromium() -> str:
+    """The browser's path. Without one the test skips, saying why — except under CI (CI=true), where a
+    browser test that cannot run is a failure: CI installs Chromium, and a silent skip would pass."""
+    import pytest
+    found = chromium()
+    if found is None:
+        message = "needs the Debian package chromium (apt-get install chromium)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message + " — under CI this is a failure, not a skip")
+        pytest.skip(message)
+    return found
 
 
 def _run(args: list[str], timeout: float = 90) -> subprocess.CompletedProcess:

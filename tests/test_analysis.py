@@ -279,3 +279,18 @@ def test_hardware_file_mistakes_name_the_key(tmp_path):
         path.write_text(json.dumps({"profiles": [good, {**good, "name": "h", **patch}]}))  # JSON is YAML
         with pytest.raises(FileError, match=f"^{path}: profiles\\[1\\]\\.{message}"):
             get_hardware(f"{path}:h")
+def test_deepspeed_pipeline_splits_what_it_sends_over_tp():
+    """DeepSpeed's pipeline engine at tp 2 sends each activation and gradient as a meta tensor plus this
+    rank's half, and all-gathers the halves where it needs the whole (tests/test_analysis_measured.py
+    checks the same config against a real run); with partitioning off it sends whole tensors."""
+    kw = dict(model="tiny", backend="deepspeed", tp=2, pp=2, micro_batch=2, micro_batches=4, zero=1)
+    m = RunConfig(**kw).model_config
+    x = 2 * m.seq_len * m.hidden * 4  # one fp32 activation (micro_batch, seq, hidden)
+    meta = 8 * (1 + 3 + 2 + 3)  # int64: ndim, shape, parts and rank, t + 1 offsets
+    split = estimate(RunConfig(**kw))
+    whole = estimate(RunConfig(**kw, ds_set=("pipeline.pipe_partitioned=false", "pipeline.grad_partitioned=false")))
+    assert whole["comm_pp_send_bytes"] == 4 * x and whole["comm_pp_send_ops"] == 4
+    assert split["comm_pp_send_bytes"] == 4 * (x / 2 + meta) and split["comm_pp_send_ops"] == 8
+    # stage 0 gathers its output back and the gradient it received, stage 1 the activation: 2 + 1 per micro-batch
+    assert split["comm_tp_all_gather_ops"] == (2 + 1) * 4 / 2 and split["comm_tp_all_gather_bytes"] == 6 * x
+    assert "comm_tp_all_gather_ops" not in whole or whole["comm_tp_all_gather_ops"] == 0

@@ -7,7 +7,7 @@ import sys
 import pandas as pd
 import pytest
 
-from bench.report.compare import compare, judge
+from bench.report.compare import compare, judge, prediction_mismatches
 from report_runs import result_sets
 
 
@@ -51,6 +51,18 @@ def test_missing_values_are_no_data_not_a_verdict():
     assert judge([], [1.0], exact=True).verdict == "no data"
 
 
+def test_fp32_loss_is_gated_exactly_mixed_precision_loss_is_not():
+    """fp32 losses are deterministic here: a change beyond 1e-6 relative (a learning rate 1 % off moves
+    the 3-step loss by ~5e-5) fails the gate; bf16 runs (CUDA atomics, autocast) are not gated on loss."""
+    def rows(loss, dtype="fp32"):
+        return pd.DataFrame([{"run_id": "a", "config_id": "a", "status": "ok", "backend": "native", "tp": 1,
+                              "pp": 1, "dp": 1, "dtype": dtype, "loss_first": 5.5, "loss_last": loss}])
+    verdicts = lambda b, c: {r["metric"]: r["verdict"] for r in compare(b, c).rows}  # noqa: E731
+    assert verdicts(rows(5.476713), rows(5.476713 * (1 + 5e-7)))["loss_last"] == "equal"
+    assert verdicts(rows(5.476713), rows(5.476713 * (1 + 5e-5)))["loss_last"] == "changed"
+    assert "loss_last" not in verdicts(rows(5.47, "bf16-mixed"), rows(5.48, "bf16-mixed"))
+
+
 def test_new_missing_and_failed_configs():
     rows = lambda ids, status="ok": pd.DataFrame(  # noqa: E731
         [{"run_id": i, "config_id": i, "status": status, "backend": "native", "tp": 1, "pp": 1, "dp": 1,
@@ -68,6 +80,17 @@ def test_new_missing_and_failed_configs():
     assert not skipped.regressed and skipped.rows[0]["verdict"] == "skipped"
     with pytest.raises(ValueError, match="noisy metrics are"):
         compare(rows(["a"]), rows(["a"]), thresholds={"step_tim_s": 0.1})
+
+
+def test_prediction_check_compares_each_row_with_itself():
+    row = {"run_id": "a", "config_id": "a", "status": "ok", "backend": "deepspeed", "tp": 2, "pp": 2, "dp": 1,
+           "zero": 1, "comm_bytes_pp": 33064.0, "pred_comm_bytes_pp": 33064.0, "comm_ops_pp": 17.0,
+           "pred_comm_ops_pp": 17.0}
+    assert prediction_mismatches(pd.DataFrame([row])) == []
+    wrong = prediction_mismatches(pd.DataFrame([{**row, "pred_comm_bytes_pp": 65548.0, "pred_comm_ops_pp": 10.0}]))
+    assert len(wrong) == 2 and "pred_comm_bytes_pp = 65548, comm_bytes_pp = 33064" in wrong[0]
+    failed = {**row, "status": "failed", "pred_comm_ops_pp": 10.0}  # nothing measured: nothing to check
+    assert prediction_mismatches(pd.DataFrame([failed])) == []
 
 
 # --- the gate on real runs -----------------------------------------------------------------------
@@ -139,6 +162,11 @@ def test_exact_metric_mismatch_fails_even_in_exact_only_mode(sets, bench):
     assert "❌" in out.stdout and "| native tp1·pp1·dp2 | params |" in out.stdout
     table = bench("compare", sets["baseline"], sets["changed"], "--exact-only")
     assert table.returncode == 1 and "changed" in table.stdout and "comm_bytes_dp" in table.stdout
+
+
+def test_check_predictions_on_real_runs(sets, bench):
+    out = bench("compare", sets["baseline"], sets["rerun"], "--exact-only", "--check-predictions")
+    assert out.returncode == 0 and "predicted communication = measured" in out.stderr, out.stdout + out.stderr
 
 
 def test_thresholds_from_flags(sets, bench):

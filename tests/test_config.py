@@ -62,3 +62,13 @@ def test_cli_bad_input_is_one_line_exit_2():
     assert out.stderr.strip().splitlines() == ["error: model heads (4) is not divisible by tp (3); "
                                                "pick tp from the divisors of 4"]
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_test_only_faults_parse_and_combine():
+    from bench.config import parse_fault
+    assert parse_fault("none") == {}
+    assert parse_fault("sgd:1,grad_scale:2") == {"sgd": 1.0, "grad_scale": 2.0}
+    assert parse_fault("oom_real") == {"oom_real": None}
+    for bad in ("sleep", "raise:1", "grad_scale:x", "nonsense", "sgd:1,"):
+        with pytest.raises(ConfigError, match="fault"):
+            RunConfig(fault=bad)

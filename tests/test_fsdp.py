@@ -2,6 +2,8 @@
 
 Real FSDP2 / DTensor / torch.pipelining on gloo, tiny model, fp32 unless stated. Every multi-rank run
 uses global batch 4, so one single-process reference (native, tp = pp = dp = 1, micro_batch 4) serves all.
+Loss parity is within `bench.report.parity.loss_tolerance` (the report's rule too); gradient parity of
+every layout here is in tests/test_grad_parity.py.
 """
 import json
 import math
@@ -9,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from bench.backends.fsdp import hybrid_shape
 from bench.config import ConfigError, RunConfig
+from bench.report.parity import loss_tolerance, training_signal
+from bench.report.tables import loss_parity
 from models import PRESETS, count_params
 from models.config import block_params, embedding_params, head_params
 
@@ -22,14 +27,13 @@ BLOCK, L = block_params(TINY), TINY.layers              # 49,408 × 4
 ROOT = embedding_params(TINY) + head_params(TINY)       # 34,944: what fully_shard(root) owns
 F32 = 4
 RUN = dict(model="tiny", steps=3, warmup=0)             # loss_last = the loss of the 3rd step
-BF16_REL = 1e-3  # bf16 params in compute vs fp32: measured ≈ 4e-6 (FSDP), 4e-5 (DDP autocast)
 
 
 @pytest.fixture(scope="module")
 def reference(pools):
     row = pools(1).run(RunConfig(**RUN, micro_batch=4))
     assert row["status"] == "ok", row.get("error")
-    return row["loss_last"]
+    return row
 
 
 def run_ok(pools, **kw) -> dict:
@@ -39,8 +43,14 @@ def run_ok(pools, **kw) -> dict:
     return row
 
 
-def assert_parity(row, reference, rel=1e-5):
-    assert math.isclose(row["loss_last"], reference, rel_tol=rel), (row["loss_last"], reference)
+def within_tolerance(row, reference) -> bool:
+    """loss_last within the shared rule: 1e-5 in fp32; a tenth of the reference's training signal in bf16."""
+    tol = loss_tolerance(row["dtype"], training_signal(json.loads(reference["losses"])))
+    return math.isclose(row["loss_last"], reference["loss_last"], rel_tol=tol)
+
+
+def assert_parity(row, reference):
+    assert within_tolerance(row, reference), (row["loss_last"], reference["loss_last"], row["dtype"])
 
 
 # --- pure ---------------------------------------------------------------------------------------------
@@ -126,10 +136,23 @@ def test_recompute_full_keeps_parity_and_traffic(pools, reference, backend):
 @pytest.mark.parametrize("backend", ["fsdp", "ddp"])
 def test_bf16_mixed_close_to_fp32_reference(pools, reference, backend):
     row = run_ok(pools, backend=backend, dp=2, micro_batch=2, dtype="bf16-mixed")
-    assert_parity(row, reference, rel=BF16_REL)
+    assert_parity(row, reference)
     if backend == "fsdp":  # bf16 all-gathers (half the bytes), fp32 gradient reduce-scatter
         assert row["comm_dp_all_gather_bytes"] == (ROOT + 2 * L * BLOCK) * 2
         assert row["comm_dp_reduce_scatter_bytes"] == P * F32
+
+
+def test_mixed_precision_tolerance_fails_runs_that_train_at_half_speed_or_not_at_all(pools, reference):
+    """The bf16 tolerance is small against the training signal: with the learning rate halved or zero
+    (test-only fault lr_scale:K) DDP and FSDP both fail it, here and in the report's parity table."""
+    bf16 = dict(dp=2, micro_batch=2, dtype="bf16-mixed")
+    good = run_ok(pools, backend="ddp", **bf16)
+    bad = [run_ok(pools, backend=b, fault=f"lr_scale:{k}", **bf16) for b in ("ddp", "fsdp") for k in (0, 0.5)]
+    assert within_tolerance(good, reference)
+    assert not any(within_tolerance(row, reference) for row in bad), [r["loss_last"] for r in bad]
+    single_bf16 = run_ok(pools, micro_batch=4, dtype="bf16-mixed")  # the report's reference: world 1, same dtype
+    table, _ = loss_parity(pd.DataFrame([single_bf16, good, *bad]))
+    assert [v[0] for v in table["parity"]] == ["✓", "✗", "✗", "✗", "✗"], table.to_string()
 
 
 # --- world 4 ------------------------------------------------------------------------------------------

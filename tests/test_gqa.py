@@ -40,9 +40,8 @@ def assert_predicted_equals_measured(row: dict) -> None:
         for what in ("bytes", "wire_bytes", "ops"):
             key = f"comm_{what}_{dim}"
             assert row[f"pred_{key}"] == pytest.approx(row[key], abs=1e-6), key
-    if row["backend"] != "deepspeed":  # DeepSpeed's own flat buffers: see test_analysis_measured
-        for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
-            assert row[f"pred_{key}"] == row[key], key
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert row[f"pred_{key}"] == row[key], key
 
 
 @pytest.mark.parametrize("kw", [

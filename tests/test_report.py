@@ -9,7 +9,7 @@ import pytest
 
 from bench.report.render import build_report
 from bench.results import skipped_row
-from browser import chromium, probe, screenshot
+from browser import probe, require_chromium, screenshot
 from report_runs import CONFIGS, FAILING, result_sets
 
 FIGURES = ("throughput_heatmap", "backend_comparison", "memory_breakdown", "comm_breakdown")
@@ -49,8 +49,8 @@ def test_report_files_and_tables(report):
     assert top.count("| native") == 3 and "±" in top  # three configs, repeats give a spread
 
 
-@pytest.mark.skipif(chromium() is None, reason="needs the Debian package chromium (apt-get install chromium)")
 def test_report_renders_in_headless_chromium(report):
+    require_chromium()
     shot = report / "screenshot.png"
     done = screenshot(report / "index.html", shot, height=5200)
     assert shot.exists(), done.stderr[-2000:]
@@ -131,9 +131,9 @@ def test_report_of_a_hundred_real_runs(pools, tmp_path):
     out = write_rows([pools(c.world).run(c) for c in configs], tmp_path / "runs")
     page = build_report([out], tmp_path / "report").read_text()
     assert "100 runs of 100 configs" in page and page.count("data:image/png") == len(FIGURES)
-    if chromium():
-        found, console = probe(tmp_path / "report" / "index.html")
-        assert found["broken"] == 0 and not console
+    require_chromium()
+    found, console = probe(tmp_path / "report" / "index.html")
+    assert found["broken"] == 0 and not console
 
 
 @pytest.mark.parametrize("case", ["missing", "empty-folder", "foreign", "broken"])

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "results" / "baselines" / "quickstart"
 
 
-def test_readme_table_is_the_declaration():
-    assert markdown_table() in (ROOT / "README.md").read_text(), "regenerate it: python -m bench.results"
+def test_readme_and_design_tables_are_the_declaration():
+    for doc in ("README.md", "docs/architecture.md"):
+        assert markdown_table() in (ROOT / doc).read_text(), f"{doc}: regenerate it: python -m bench.results --write"
 
 
 def test_config_columns_are_runconfig_fields_with_their_help():

@@ -1,6 +1,6 @@
 """Communication per step: every collective and send a rank issues, per parallel dimension.
 
-The counting convention is the worker's (`bench.metrics.comm`, DESIGN.md), so predictions and
+The counting convention is the worker's (`bench.metrics.comm`; the comm columns of bench/results/schema.py), so predictions and
 measurements compare exactly: payload per rank per optimizer step (all-reduce: its input;
 all-gather: its output; reduce-scatter: its input; send/recv: the bytes sent), averaged over all
 ranks; wire bytes as a ring moves them, all-reduce 2(n−1)/n, all-gather and reduce-scatter
@@ -24,13 +24,26 @@ What each dimension moves (b sequences × s tokens per micro-batch, hidden h, X 
   micro-batch: all-gather of the root parameters (embeddings, head) once and of each block twice
   (forward, and re-gathered for backward) + reduce-scatter of all gradients; FSDP grad-op: one
   all-gather of all parameters + reduce-scatter per micro-batch.
+- DeepSpeed (0.19, as measured and read in its source): its own rules, each term with its reason in
+  `_deepspeed_tp`, `_deepspeed_pp`, `_deepspeed_dp`, `_deepspeed_zero3` and `_deepspeed_scalars`:
+  the pipeline splits what it sends over tp, ZeRO-1/2 all-reduce (not reduce-scatter) in reduce
+  buckets, ZeRO-3 gathers what its prefetcher fetches (`params.zero3_prefetch_gathers`), and the
+  optimizer reduces a few scalars per step over dp and over its model-parallel group.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 
 from bench.analysis.memory import block_params_local, precision
+from bench.analysis.params import (
+    deepspeed_bf16_optimizer,
+    deepspeed_settings,
+    deepspeed_zero3_split,
+    zero3_padded,
+    zero3_prefetch_gathers,
+)
 from bench.results.schema import comm_column, comm_columns, comm_op_column
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
@@ -95,9 +108,8 @@ def tp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         return [Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"),
                 Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)")]
     out = []
-    if cfg.backend == "deepspeed" and cfg.zero:  # ZeRO's overflow / gradient-norm check also reduces over
-        # model parallel (ZeRO-0 has none: measured 21 tp ops, not 22, for tiny at tp 2)
-        out.append(Traffic("tp", "all_reduce", FP32, 1, t, "gradient-norm scalar", "step"))
+    if cfg.backend == "deepspeed":
+        out += _deepspeed_tp(plan, stage)
     if not cfg.sequence_parallel:
         out.append(Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"))
         out.append(Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)"))
@@ -133,6 +145,8 @@ def pp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     mine = plan.ranks[stage].chunks
     fwd = sum(1 for c in mine if c < plan.n_chunks - 1)
     bwd = sum(1 for c in mine if c > 0)
+    if cfg.backend == "deepspeed":
+        return _deepspeed_pp(plan, msg, fwd, bwd)
     mb, out = cfg.micro_batches, []
     if fwd:
         out.append(Traffic("pp", "send", msg, fwd * mb, 2, "activations to next stage"))
@@ -140,11 +154,6 @@ def pp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         out.append(Traffic("pp", "send", msg, bwd * mb, 2, "grads to previous stage"))
     # the counter sees each receive as an op of 0 bytes
     out.append(Traffic("pp", "recv", 0, (fwd + bwd) * mb, 2, "receives (counted as ops)"))
-    if cfg.backend == "deepspeed":  # its pipeline engine's bookkeeping, as measured: loss, and with a ZeRO
-        # optimizer (stage ≥ 1) its overflow flag (ZeRO-0: 5 pp ops measured for tiny at pp 2, not 6)
-        if cfg.zero:
-            out.append(Traffic("pp", "all_reduce", FP32, 1, cfg.pp, "overflow check", "step"))
-        out.append(Traffic("pp", "broadcast", 2 * FP32, 1, cfg.pp, "loss from the last stage", "step"))
     return out
 
 
@@ -157,59 +166,163 @@ def dp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         return _native_dp(plan, stage)
     if cfg.backend == "fsdp":
         return _fsdp_dp(plan, stage, grad_b, param_b)
+    if cfg.backend == "deepspeed":
+        return _deepspeed_dp(plan, stage, grad_b, param_b)
     n = plan.ranks[stage].params
     grads, params = n * grad_b, n * param_b
     what = plan.sharding
-    if what == "none":  # ddp, deepspeed ZeRO-0
+    if what == "none":  # ddp
         return [Traffic("dp", "all_reduce", grads, 1, cfg.dp, "gradients", "step")]
-    if cfg.backend == "deepspeed" and what in ("optimizer", "grads"):
-        # DeepSpeed ZeRO-1/2 as measured: gradients all-reduced (ZeRO-1 once per step at the
-        # accumulation boundary, ZeRO-2 after every micro-batch), a 4-byte overflow check, the
-        # updated partitions all-gathered.
-        times = cfg.micro_batches if what == "grads" else 1
-        out = [Traffic("dp", "all_reduce", grads, times, cfg.dp, "gradients", "step"),
-               Traffic("dp", "all_reduce", FP32, 1, cfg.dp, "overflow check", "step"),
-               Traffic("dp", "all_gather", params, 1, cfg.dp, "updated parameters", "step")]
-        if cfg.pp > 1 and stage == cfg.pp - 1:  # the pipeline engine averages the loss over dp
-            out.append(Traffic("dp", "all_reduce", FP32, 1, cfg.dp, "loss", "step"))
-        return out
     if what in ("optimizer", "grads"):  # ZeRO-1/2 (ZeRO paper §7: the same volume as an all-reduce)
         return [Traffic("dp", "reduce_scatter", grads, 1, cfg.dp, "gradients", "step"),
                 Traffic("dp", "all_gather", params, 1, cfg.dp, "updated parameters", "step")]
-    if cfg.backend == "deepspeed":
-        return _deepspeed_zero3(plan, stage, grad_b, param_b)
     blocks = plan.ranks[stage].layers * block_params_local(cfg.model_config, cfg.tp)
     mb = cfg.micro_batches  # ZeRO-3: parameters gathered forward and backward every micro-batch
     return [Traffic("dp", "all_gather", (n + blocks) * param_b, mb, cfg.dp, "parameters"),
             Traffic("dp", "reduce_scatter", grads, mb, cfg.dp, "gradients")]
 
 
-DS_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
+def _deepspeed_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
+    """DeepSpeed over dp, as measured. ZeRO-0: the gradients all-reduced once per step (at the
+    accumulation boundary). ZeRO-1/2 (and the bf16 optimizer its pipeline uses at ZeRO-0, which
+    partitions the fp32 master the same way): gradients all-reduced (ZeRO-2 after every
+    micro-batch), the per-step scalars, the updated partitions all-gathered. ZeRO-3:
+    `_deepspeed_zero3`. The pipeline engine also averages the loss over dp on the last stage."""
+    cfg = plan.cfg
+    if cfg.zero == 3:
+        return _deepspeed_zero3(plan, stage, grad_b, param_b)
+    n = plan.ranks[stage].params
+    rounds = cfg.micro_batches if cfg.zero == 2 else 1  # ZeRO-2 reduces after every micro-batch
+    buckets = 1  # ZeRO-0: one all-reduce of the flat gradients
+    if cfg.zero:  # ZeRO-1/2: through the ipg bucket (reduce_bucket_size), flushed before it would overflow
+        buckets = _greedy_buckets(tuple(plan.param_sizes(stage)[::-1]), deepspeed_settings(cfg)["reduce_bucket_size"])
+    out = [Traffic("dp", "all_reduce", n * grad_b / buckets, rounds * buckets, cfg.dp, "gradients", "step")]
+    if cfg.zero or deepspeed_bf16_optimizer(cfg):
+        out += [*_deepspeed_scalars(cfg, "dp", cfg.dp),
+                Traffic("dp", "all_gather", n * param_b, 1, cfg.dp, "updated parameters", "step")]
+    if cfg.pp > 1 and stage == cfg.pp - 1:
+        out.append(Traffic("dp", "all_reduce", FP32, 1, cfg.dp, "loss", "step"))
+    return out
 
 
 def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
-    """DeepSpeed ZeRO-3: parameters below the persistence threshold stay whole on every rank and
-    are all-gathered one by one after the optimizer step; the others are gathered for forward and
-    again for backward every micro-batch; gradients reduce-scattered every micro-batch; an 8-byte
-    overflow check. (Verified on the tiny model, whose parameters are all persistent.)"""
-    cfg, threshold = plan.cfg, DS_PERSISTENCE_THRESHOLD
-    for entry in getattr(cfg, "ds_set", ()):
-        key, _, value = entry.partition("=")
-        if key.strip() == "zero_optimization.stage3_param_persistence_threshold":
-            threshold = float(value)
-    params = plan.param_sizes(stage)
-    kept = [n for n in params if n < threshold]
-    parted = sum(params) - sum(kept)
-    mb, out = cfg.micro_batches, []
-    if kept:
+    """DeepSpeed ZeRO-3 (`deepspeed_zero3_split` says which parameters stay whole)."""
+    cfg, mb = plan.cfg, plan.cfg.micro_batches
+    kept, parted = deepspeed_zero3_split(plan, stage)
+    ds = deepspeed_settings(cfg)
+    out = []
+    if kept:  # persistent parameters: whole on every rank, re-gathered one by one after the step
         out.append(Traffic("dp", "all_gather", sum(kept) * param_b / len(kept), len(kept), cfg.dp,
                            "persistent parameters", "step"))
-    if parted:  # gathered module by module: one group per block (+ the rest)
-        groups = plan.ranks[stage].layers + 1
-        out.append(Traffic("dp", "all_gather", parted * param_b / groups, 2 * mb * groups, cfg.dp,
-                           "partitioned parameters"))
-    out += [Traffic("dp", "reduce_scatter", sum(params) * grad_b, mb, cfg.dp, "gradients"),
-            Traffic("dp", "all_reduce", 2 * FP32, 1, cfg.dp, "overflow check", "step")]
+    if parted:  # gathered by DeepSpeed's prefetcher, replayed in `zero3_prefetch_gathers`; kept
+        # gathered until the micro-batch ends (max_reuse_distance), so backward gathers nothing again
+        gathers = zero3_prefetch_gathers(plan, stage)
+        if gathers is None:  # too big to replay: one all-gather per bucket's worth, an approximation
+            total = sum(zero3_padded(n, cfg.dp) for n in parted)
+            k = _buckets(total, ds["stage3_prefetch_bucket_size"])
+            gathers = [total / k] * k
+        out.append(Traffic("dp", "all_gather", sum(gathers) * param_b / len(gathers), len(gathers) * mb, cfg.dp,
+                           "partitioned parameters (prefetched)"))
+    # every gradient, persistent or not, is reduce-scattered during each micro-batch's backward
+    # through the ipg bucket, which is flushed before a gradient that would overflow it
+    grads = sum(zero3_padded(n, cfg.dp) for n in (*kept, *parted))
+    per_mb = _greedy_buckets(tuple(plan.param_sizes(stage)[::-1]), ds["reduce_bucket_size"])
+    out += [Traffic("dp", "reduce_scatter", grads * grad_b / per_mb, per_mb * mb, cfg.dp, "gradients"),
+            # the overflow / gradient-norm check: one fp64 scalar
+            *_deepspeed_scalars(cfg, "dp", cfg.dp)]
+    return out
+
+
+def _buckets(numel: float, bucket: float) -> int:
+    return max(1, -(-int(numel) // int(bucket)))
+
+
+@lru_cache(maxsize=65536)
+def _greedy_buckets(sizes: tuple[int, ...], cap: float) -> int:
+    """Buckets filled in arrival order (backward: reverse registration), a new one whenever the next
+    tensor would pass `cap` (a tensor bigger than `cap` gets a bucket of its own)."""
+    count, filled = 0, 0
+    for n in sizes:
+        if filled and filled + n > cap:
+            count, filled = count + 1, 0
+        filled += n
+    return count + (filled > 0)
+
+
+def _deepspeed_tp(plan, stage: int) -> list[Traffic]:
+    """What DeepSpeed adds on tp. Its ZeRO optimizer (stage ≥ 1) reduces the gradient norm and the
+    overflow flag over the model-parallel group, which is tp only without a pipeline (with one it is
+    tp × pp, a group of neither dimension); ZeRO-3's norm is fp64. The pipeline engine splits the
+    activation (and gradient) it sends over tp (`pipe_partitioned`, `grad_partitioned`) and
+    all-gathers the parts where it needs the whole tensor: a stage that receives activations (not
+    the first) once per micro-batch, a stage that sends them (not the last) to restore its output
+    for backward and, with partitioned gradients, to rebuild the gradient it received."""
+    cfg, rank = plan.cfg, plan.ranks[stage]
+    t, mb, out = cfg.tp, cfg.micro_batches, []
+    if cfg.pp == 1:
+        out += _deepspeed_scalars(cfg, "tp", t, model_parallel=True)
+    ds = deepspeed_settings(cfg)
+    if cfg.pp > 1 and ds["pipe_partitioned"]:
+        numel = cfg.micro_batch * cfg.seq * cfg.model_config.hidden
+        gathers = (not rank.first) + (not rank.last) * (1 + ds["grad_partitioned"])
+        if gathers:
+            out += _partitioned_full(numel, precision(cfg.dtype).comm_pp, gathers * mb, t)
+    return out
+
+
+def _deepspeed_scalars(cfg, dim: str, n: int, model_parallel: bool = False) -> list[Traffic]:
+    """The scalars DeepSpeed's optimizer all-reduces once per step, over dp and over its model-parallel
+    group (tp without a pipeline, pp without tp, else a group of neither): the gradient norm (fp32;
+    ZeRO-3's is fp64) and, with low-precision weights, the overflow flag (1 byte; ZeRO-3 folds it
+    into the norm). ZeRO-0 reduces none over dp, and over model parallel only under mixed precision
+    (its fp16/bf16 optimizer wrapper)."""
+    mixed = cfg.dtype != "fp32"
+    if deepspeed_bf16_optimizer(cfg):  # the norm over model parallel only, no flag
+        sizes = [FP32] if model_parallel else []
+    elif cfg.zero == 0:
+        sizes = [FP32, 1] if mixed and model_parallel else []
+    elif cfg.zero == 3:
+        sizes = [2 * FP32]
+    else:
+        sizes = [FP32, 1] if mixed else [FP32]
+    names = {FP32: "gradient norm (fp32)", 2 * FP32: "gradient norm (fp64)", 1: "overflow flag"}
+    return [Traffic(dim, "all_reduce", b, 1, n, names[b], "step") for b in sizes]
+
+
+def _partitioned_full(numel: int, elem: int, times: int, t: int) -> list[Traffic]:
+    """PartitionedTensor.full(): one all-gather when the tensor's elements split evenly over tp, else
+    one broadcast per part (the parts together are the tensor)."""
+    if numel % t == 0:
+        return [Traffic("tp", "all_gather", numel * elem, times, t, "pipeline tensor from its tp parts")]
+    return [Traffic("tp", "broadcast", numel * elem / t, times * t, t, "pipeline tensor from its tp parts")]
+
+
+def _deepspeed_pp(plan, msg: float, fwd: int, bwd: int) -> list[Traffic]:
+    """DeepSpeed's PipelineEngine. With tp > 1 and `pipe_partitioned` (default) each activation goes
+    as two messages: the PartitionedTensor meta (int64: ndim, shape, parts, rank, t + 1 offsets) and
+    this rank's 1/t part; gradients the same with `grad_partitioned`. Per step: the loss broadcast
+    from the last stage (2 fp32: this dp group's and the dp mean), and the optimizer's scalars over
+    the model-parallel group, which is the pp group only when tp = 1 (`_deepspeed_scalars`)."""
+    cfg, mb, t = plan.cfg, plan.cfg.micro_batches, plan.cfg.tp
+    ds = deepspeed_settings(cfg)
+    meta = 8 * (3 + 3 + t + 1)  # activations are (micro_batch, seq, hidden)
+    split_act = t > 1 and ds["pipe_partitioned"]
+    split_grad = split_act and ds["grad_partitioned"]
+    out = []
+    for n, split, what in ((fwd, split_act, "activations to next stage"), (bwd, split_grad, "grads to previous stage")):
+        if not n:
+            continue
+        if split:
+            out += [Traffic("pp", "send", meta, n * mb, 2, f"{what}: partition meta"),
+                    Traffic("pp", "send", msg / t, n * mb, 2, f"{what}: this rank's 1/t part")]
+        else:
+            out.append(Traffic("pp", "send", msg, n * mb, 2, what))
+    # one receive per message: a stage that sends activations receives gradients, and vice versa
+    recvs = fwd * mb * (1 + split_grad) + bwd * mb * (1 + split_act)
+    out.append(Traffic("pp", "recv", 0, recvs, 2, "receives (counted as ops)"))
+    if t == 1:
+        out += _deepspeed_scalars(cfg, "pp", cfg.pp, model_parallel=True)
+    out.append(Traffic("pp", "broadcast", 2 * FP32, 1, cfg.pp, "loss from the last stage", "step"))
     return out
 
 

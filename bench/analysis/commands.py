@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from bench.cli_options import config_from_options, config_options, echo_json
+from bench.cli_options import FRACTION, Number, config_from_options, config_options, echo_json, positive_int
 
 COMMANDS: list[click.Command] = []
 
@@ -16,14 +16,20 @@ _ACTS = click.option("--activations", type=click.Choice(["table2", "suite"]), de
                           "suite = this suite's GPT (no dropout, fused attention)")
 
 
+def _given(options: dict, name: str, default):
+    """An option's value, or `default` when it was not given (never for a given 0: the types refuse it)."""
+    return default if options.get(name) is None else options[name]
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**28 else f"{n / 2**20:,.2f} MiB"
 
 
 @click.command("layout")
 @config_options
-@click.option("--gpus-per-node", type=int, default=8, show_default=True, help="GPUs per node")
-@click.option("--rack-size", type=int, default=None, help="nodes per rack: warn about pipeline sends across racks")
+@click.option("--gpus-per-node", type=positive_int(), default=8, show_default=True, help="GPUs per node")
+@click.option("--rack-size", type=positive_int(), default=None,
+              help="nodes per rack: warn about pipeline sends across racks")
 @click.option("--any-engine", is_flag=True,
               help="with --model: check only the layout and model (what Megatron-LM could run), not this suite's backends")
 @click.option("--json", "as_json", is_flag=True, help="ranks, groups, links and warnings as JSON")
@@ -33,10 +39,8 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
     With --model, each group also shows the ops and bytes per step it moves (other flags as `bench run`)."""
     from bench.analysis.explain import explain, format_text
     from bench.layout import Layout
-    lay = Layout(options["tp"] or 1, options["pp"] or 1, options["dp"] or 1, options["order"] or "tp-pp-dp",
-                 gpus_per_node)
-    if rack_size is not None and rack_size < 1:
-        raise click.BadParameter("must be ≥ 1", param_hint="--rack-size")
+    lay = Layout(_given(options, "tp", 1), _given(options, "pp", 1), _given(options, "dp", 1),
+                 _given(options, "order", "tp-pp-dp"), gpus_per_node)
     cfg = None
     if options["model"]:
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
@@ -49,11 +53,11 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
 
 @click.command("estimate")
 @config_options
-@click.option("--params", "n_params", type=float, default=None,
+@click.option("--params", "n_params", type=Number(False, (0, 1e16, True), "params"), default=None,
               help="a bare parameter count (e.g. 7.5e9): model-state memory only, from --dp --zero --dtype")
 @click.option("--hardware", default=None, help="profile name (a100-80gb, h100-sxm, h200, cpu) or a YAML file: "
                                                 "adds the predicted step time, tokens/s and MFU")
-@click.option("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the hardware's)")
+@click.option("--gpus-per-node", type=positive_int(), default=None, help="GPUs per node (default: the hardware's)")
 @_MIXED
 @_ACTS
 @click.option("--any-engine", is_flag=True,
@@ -66,8 +70,8 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
     from bench.analysis.estimate import estimate as predict
     from bench.analysis.estimate import estimate_params
     if n_params is not None:
-        est = estimate_params(n_params, options["dp"] or 1, int(options["zero"] or 0),
-                              options["dtype"] or "bf16-mixed", mixed_state)
+        est = estimate_params(n_params, _given(options, "dp", 1), int(_given(options, "zero", 0)),
+                              _given(options, "dtype", "bf16-mixed"), mixed_state)
     else:
         from models.config import count_params
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
@@ -135,15 +139,15 @@ def _print_estimate(est: dict) -> None:
 
 @click.command("plan")
 @click.option("--model", required=True, help="model preset (models.PRESETS)")
-@click.option("--gpus", type=int, required=True, help="GPUs in the cluster")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--gpus", type=positive_int(), required=True, help="GPUs in the cluster")
+@click.option("--gpus-per-node", type=positive_int(), default=8, show_default=True)
 @click.option("--hardware", required=True, help="profile name or YAML file (see bench/analysis/hardware.py)")
-@click.option("--global-batch", type=int, required=True, help="sequences per optimizer step")
-@click.option("--seq", type=int, default=None, help="sequence length (default: the model's seq_len)")
+@click.option("--global-batch", type=positive_int(1 << 30), required=True, help="sequences per optimizer step")
+@click.option("--seq", type=positive_int(1 << 24), default=None, help="sequence length (default: the model's seq_len)")
 @click.option("--dtype", type=click.Choice(["bf16-mixed", "fp16-mixed", "fp32"]), default="bf16-mixed",
               show_default=True)
-@click.option("--top", type=int, default=5, show_default=True, help="configs to print")
-@click.option("--memory-fraction", type=float, default=0.9, show_default=True,
+@click.option("--top", type=positive_int(10**6), default=5, show_default=True, help="configs to print")
+@click.option("--memory-fraction", type=FRACTION, default=0.9, show_default=True,
               help="share of device memory a config may use")
 @click.option("--engines", type=click.Choice(["suite", "any"]), default="suite", show_default=True,
               help="suite: configs this suite's backends run (RunConfig's validator); any: every config a "

@@ -33,19 +33,42 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated
 
+from bench.config import check_number
 from bench.typed_yaml import FileError, file_error, known_keys, load_yaml
 
 
 class _Quantity:
     """Annotation of a size or rate: a number, or text with a unit suffix, read by `parse_quantity`
-    when pydantic validates a file (the pydantic hook imports pydantic only then)."""
+    when pydantic validates a file (the pydantic hook imports pydantic only then), then checked to be
+    finite and in `bounds` (bench.config.check_number: the rules of every number a user gives)."""
+
+    def __init__(self, bounds: tuple = (0, 1e30, True)):
+        self.bounds = bounds
 
     def __get_pydantic_core_schema__(self, source, handler):
         from pydantic_core import core_schema
-        return core_schema.no_info_before_validator_function(parse_quantity, core_schema.float_schema(strict=True))
+        return core_schema.no_info_before_validator_function(self._read, core_schema.float_schema(strict=True))
+
+    def _read(self, value):
+        number = parse_quantity(value)
+        reason = check_number("value", number, False, self.bounds)
+        if reason:
+            raise ValueError(reason.replace("value must", "must", 1))
+        return number
+
+
+class _Count:
+    """A whole number of things (GPUs per node) in a file: an integer ≥ 1, never 8.5 → 8."""
+
+    def __get_pydantic_core_schema__(self, source, handler):
+        from pydantic_core import core_schema
+        return core_schema.int_schema(strict=True, ge=1, le=1_000_000)
 
 
 Quantity = Annotated[float, _Quantity()]
+Latency = Annotated[float, _Quantity((0, 3600.0, False))]
+Fraction = Annotated[float, _Quantity((0, 1.0, True))]
+Count = Annotated[int, _Count()]
 
 
 @dataclass(frozen=True)
@@ -57,10 +80,10 @@ class Hardware:
     memory_bytes: Quantity
     intra_node_bw: Quantity  # bytes/s per device, one direction (NVLink)
     inter_node_bw: Quantity  # bytes/s per device, one direction (InfiniBand / RoCE)
-    intra_node_latency_s: Quantity = 5e-6
-    inter_node_latency_s: Quantity = 10e-6
-    gpus_per_node: int = 8
-    compute_efficiency: Quantity = 0.6
+    intra_node_latency_s: Latency = 5e-6
+    inter_node_latency_s: Latency = 10e-6
+    gpus_per_node: Count = 8
+    compute_efficiency: Fraction = 0.6
     """Sustained fraction of peak FLOP/s for the model's matmuls (achieved MFU of ~50 % at scale
     on A100/H100 in Megatron-LM and Llama 2 reports implies ~0.6 before bubbles and comm)."""
     source: str = "vendor datasheet"
@@ -144,9 +167,7 @@ def hardware_from_dict(data: dict, source: str = "profile", prefix: str = "") ->
 
 def load_profiles(path: str | Path) -> dict[str, Hardware]:
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"hardware profile file {path} does not exist")
-    data = load_yaml(path) or {}
+    data = load_yaml(path, "hardware file") or {}
     several = isinstance(data, dict) and "profiles" in data
     items = data["profiles"] if several else [data]
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):

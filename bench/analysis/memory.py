@@ -40,6 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from bench.analysis.params import (
+    deepspeed_bf16_optimizer,
+    deepspeed_zero3_split,
+    zero3_padded,
+    zero12_padded,
+)
 from models.config import GPTConfig, block_params, embedding_params
 
 MIXED_STATES = ("zero", "autocast")
@@ -195,14 +201,12 @@ def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationMod
     """Bytes held by one rank of pipeline stage `stage` at its peak (plan: bench.analysis.stage_plan)."""
     cfg, rank = plan.cfg, plan.ranks[stage]
     m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
-    n_params = full_stage = rank.params
-    dp_, dg, do = plan.state_divisors
+    full_stage = rank.params
+    dp_ = plan.state_divisors[0]
     fsdp = cfg.backend == "fsdp"
-    if fsdp:  # DTensor TP keeps embedding/head whole; FSDP2 pads dim 0 per parameter
+    if fsdp:  # DTensor TP keeps embedding/head whole
         full_stage = sum(n for _, n in plan.fsdp_groups(stage, 1))
-        shard = plan.shard if plan.sharding != "none" else 1
-        n_params = sum(n for _, n in plan.fsdp_groups(stage, shard)) / shard
-        dp_ = dg = do = 1
+        dp_ = 1
     per_layer = layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
                                        cfg.recompute, prec.act, act)
     autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32"
@@ -220,12 +224,73 @@ def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationMod
     elif dp_ > 1 or (fsdp and plan.sharding == "params"):
         # sharded params: two blocks gathered (compute + prefetch), one block of unsharded grads
         transient += block_params_local(m, cfg.tp) * (2 * gather_b + prec.grad)
-    out = {"params_bytes": n_params * prec.param / dp_, "grads_bytes": n_params * prec.grad / dg,
-           "optimizer_bytes": n_params * prec.optimizer / do, "activation_bytes": activations,
+    out = {**model_state(plan, stage, prec), "activation_bytes": activations,
            "activation_bytes_per_layer": per_layer, "transient_bytes": transient}
     out["total_bytes"] = sum(out[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
                                                "activation_bytes", "transient_bytes"))
     return out
+
+
+def model_state(plan, stage: int, prec: Precision) -> dict:
+    """Model-state bytes of one rank of pipeline stage `stage`, by the rule every backend's
+    `Trainer.state_tensors` is measured with: every tensor the rank keeps from one step to the next
+    for training, each storage counted once, in the first of params, grads, optimizer that holds it
+    (so padding inside a flat buffer counts, and an optimizer-owned copy counts as optimizer)."""
+    cfg = plan.cfg
+    if cfg.backend == "fsdp":  # FSDP2 pads dim 0 of every parameter to a multiple of the shard
+        shard = plan.shard if plan.sharding != "none" else 1
+        n = sum(n for _, n in plan.fsdp_groups(stage, shard)) / shard
+        return _state(n, n, n, prec)
+    if cfg.backend == "deepspeed":
+        return _deepspeed_state(plan, stage, prec)
+    n = plan.ranks[stage].params
+    if cfg.backend == "native" and cfg.zero:
+        # flat fp32 buckets padded to a multiple of dp: the parameters are views of one, their
+        # gradients of another; the optimizer steps on this rank's 1/dp of the parameter buffer in
+        # place (no copy: the engine keeps fp32 weights under autocast too), so it owns only Adam's m, v
+        buckets, n_sp = plan.buckets(stage)
+        padded = sum(-(-b // cfg.dp) * cfg.dp for b in (*buckets, n_sp) if b)
+        return _state(padded, padded, padded / cfg.dp, prec)
+    dp_, dg, do = plan.state_divisors
+    return _state(n / dp_, n / dg, n / do, prec)
+
+
+def _state(params: float, grads: float, optimizer: float, prec: Precision) -> dict:
+    """Bytes from the element counts each kind of state holds."""
+    return {"params_bytes": params * prec.param, "grads_bytes": grads * prec.grad,
+            "optimizer_bytes": optimizer * prec.optimizer}
+
+
+def _deepspeed_state(plan, stage: int, prec: Precision) -> dict:
+    """DeepSpeed 0.19's own tensors (stage_1_and_2.py, stage3.py), counted by `model_state`'s rule.
+    DeepSpeed frees gradients after its optimizer step, so its gradients are the ones its optimizer
+    steps on, taken when the wrapped torch optimizer's step runs (`bench.backends.deepspeed`):
+    - ZeRO-0: the module's parameters and their gradients, Adam's m and v (plain data parallel);
+      under mixed precision an fp32 master copy of every parameter, with an fp32 gradient; but with a
+      pipeline in bf16 its BF16_Optimizer partitions the master over dp, as ZeRO-1 does.
+    - ZeRO-1/2: the module's parameters are views of one flat low-precision buffer padded to 2·dp
+      elements; the optimizer steps on an fp32 copy of this rank's 1/dp of it (a copy even in fp32)
+      with an fp32 gradient of that size: params pad(N), grads pad(N)/dp in fp32, optimizer
+      pad(N)/dp × (4 master + 8 Adam). The full-size gradients backward produces (and the ipg
+      buckets they are reduced through) are freed at the step: step memory, not model state.
+    - ZeRO-3: each parameter padded to a multiple of dp and partitioned; those at or below the
+      persistence threshold are also kept whole on every rank (at dp = 1 the partition is the
+      parameter itself, one copy). The optimizer's fp32 partition copy, its gradient and Adam's
+      m, v as at ZeRO-1/2.
+    Mixed precision: low-precision parameters (`prec.param`), fp32 master, gradient partition and Adam."""
+    cfg, n, dp = plan.cfg, plan.ranks[stage].params, plan.cfg.dp
+    adam, fp32 = 8, 4
+    if cfg.zero == 0 and not deepspeed_bf16_optimizer(cfg):  # mixed: whole fp32 masters and grads
+        return {"params_bytes": n * prec.param, "grads_bytes": n * fp32, "optimizer_bytes": n * prec.optimizer}
+    if cfg.zero < 3:
+        params = zero12_padded(int(n), dp)
+        part = params / dp
+    else:
+        kept, parted = deepspeed_zero3_split(plan, stage)
+        part = sum(zero3_padded(k, dp) for k in (*kept, *parted)) / dp
+        params = part + (sum(kept) if dp > 1 else 0)  # dp = 1: the partition is the whole parameter
+    return {"params_bytes": params * prec.param, "grads_bytes": part * fp32,
+            "optimizer_bytes": part * (fp32 + adam)}
 
 
 def model_state_bytes(params: float, dp: int = 1, zero: int = 0, dtype: str = "bf16-mixed",

@@ -9,6 +9,7 @@ partial per sequence chunk and get summed over tp).
 """
 from __future__ import annotations
 
+from collections import deque
 from functools import lru_cache
 
 from bench.schedule import partition, rank_chunks
@@ -73,6 +74,12 @@ def stage_chunk_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stag
     return out
 
 
+@lru_cache(maxsize=65536)
+def stage_param_sizes(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int) -> tuple[int, ...]:
+    """Element counts of every parameter pipeline rank `stage` holds, in registration order."""
+    return tuple(numel(s) for chunk in stage_chunk_params(m, tp, pp, virtual_stages, stage) for _, s, _ in chunk)
+
+
 def numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -131,3 +138,99 @@ def fsdp_group_sizes(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage:
     """(kind, padded element count) of every FSDP2 group of a stage, sharded `shard` ways."""
     return tuple((kind, sum(padded_numel(s, shard) for _, s, _ in ps))
                  for kind, ps in fsdp_groups(m, tp, pp, virtual_stages, stage))
+
+
+# --- DeepSpeed's view of the parameters -----------------------------------------------------------
+@lru_cache(maxsize=4096)
+def deepspeed_settings(cfg) -> dict:
+    """The knobs of the DeepSpeed config the run gets (generated, then `ds_set`) that shape traffic
+    and state: persistence threshold, bucket sizes (elements), pipeline partitioning. Defaults are
+    DeepSpeed 0.19's."""
+    from bench.backends.deepspeed_config import apply_ds_set, grad_bytes  # pure: yaml only
+    bucket = int(cfg.bucket_mb * 2**20 / grad_bytes(cfg))  # elements, as deepspeed_config.generate sets both
+    zero = {"stage3_prefetch_bucket_size": bucket, "reduce_bucket_size": bucket}
+    config = apply_ds_set({"zero_optimization": zero}, getattr(cfg, "ds_set", ()))  # the planner's shapes have none
+    zero, pipe = config.get("zero_optimization", {}), config.get("pipeline", {})
+    return {"stage3_param_persistence_threshold": zero.get("stage3_param_persistence_threshold", 100_000),
+            "stage3_prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size", 50_000_000),
+            "reduce_bucket_size": zero.get("reduce_bucket_size", 500_000_000),
+            "stage3_max_live_parameters": zero.get("stage3_max_live_parameters", 1_000_000_000),
+            "stage3_max_reuse_distance": zero.get("stage3_max_reuse_distance", 1_000_000_000),
+            "pipe_partitioned": pipe.get("pipe_partitioned", True),
+            "grad_partitioned": pipe.get("grad_partitioned", True)}
+
+
+def deepspeed_bf16_optimizer(cfg) -> bool:
+    """DeepSpeed's pipeline engine trains bf16 at ZeRO-0 through its BF16_Optimizer, which partitions
+    the fp32 master over dp like ZeRO-1 (engine._do_optimizer_sanity_check)."""
+    return cfg.backend == "deepspeed" and cfg.zero == 0 and cfg.dtype == "bf16-mixed" and cfg.pp > 1
+
+
+def deepspeed_zero3_split(plan, stage: int) -> tuple[list[int], list[int]]:
+    """(element counts of the persistent parameters, of the partitioned ones) of a rank: DeepSpeed
+    keeps a parameter whole on every rank when numel ≤ stage3_param_persistence_threshold."""
+    threshold = deepspeed_settings(plan.cfg)["stage3_param_persistence_threshold"]
+    params = plan.param_sizes(stage)
+    return [n for n in params if n <= threshold], [n for n in params if n > threshold]
+
+
+def zero3_padded(numel: int, dp: int) -> int:
+    """ZeRO-3 pads every parameter to a multiple of dp before it partitions it (ceil(numel/dp) each)."""
+    return -(-numel // dp) * dp
+
+
+def zero12_padded(numel: int, dp: int) -> int:
+    """ZeRO-1/2 flatten a parameter group into one buffer padded to a multiple of 2·dp elements
+    (`nccl_start_alignment_factor` 2 per rank); each rank owns 1/dp of it."""
+    return -(-numel // (2 * dp)) * (2 * dp)
+
+
+def zero3_prefetch_gathers(plan, stage: int) -> list[int] | None:
+    """Element counts (whole, padded to dp) of the all-gathers DeepSpeed ZeRO-3 issues in one
+    micro-batch, by replaying its prefetcher (partitioned_param_coordinator.fetch_sub_module) over
+    this model's module trace: at each module's forward (parameterless ones included) it gathers
+    the module's parameters not yet available, then pops the recorded trace and gathers, in one
+    op, the parameters not yet available until their numel reaches stage3_prefetch_bucket_size.
+    None when the replay does not hold: parameters would be released before the micro-batch ends
+    (the stage's parameters exceed stage3_max_live_parameters or stage3_max_reuse_distance)."""
+    cfg, ds = plan.cfg, deepspeed_settings(plan.cfg)
+    params = [(name, numel(shape)) for chunk in stage_chunk_params(*plan._key(stage)) for name, shape, _ in chunk]
+    bucket = ds["stage3_prefetch_bucket_size"]
+    if sum(n for _, n in params) + bucket > min(ds["stage3_max_live_parameters"], ds["stage3_max_reuse_distance"]):
+        return None
+    sizes = [n for _, n in params]
+    available = {i for i, n in enumerate(sizes) if n <= ds["stage3_param_persistence_threshold"]}
+    trace = _module_trace([name for name, _ in params])
+    queue = deque(i for _, mine in trace for i in mine)
+    gathers = []
+    for _, mine in trace:
+        need = [i for i in mine if i not in available]
+        if need:
+            gathers.append(need)
+            available.update(need)
+        while queue and queue[0] in mine:  # this module's own entries of the trace
+            queue.popleft()
+        batch, batch_numel = [], 0
+        while queue and batch_numel < bucket:
+            i = queue.popleft()
+            if i not in available and i not in batch:
+                batch.append(i)
+                batch_numel += sizes[i]
+        if batch:
+            gathers.append(batch)
+            available.update(batch)
+    return [sum(zero3_padded(sizes[i], cfg.dp) for i in g) for g in gathers]
+
+
+def _module_trace(names: list[str]) -> list[tuple[str, list[int]]]:
+    """The modules in the order their forward runs (pre-order: the root, then each parent before its
+    children; the ModuleList of blocks has no forward), each with the indices of its own parameters."""
+    order: dict[str, list[int]] = {"": []}
+    for i, name in enumerate(names):
+        parts = name.split(".")[:-1]
+        for depth in range(1, len(parts) + 1):
+            module = ".".join(parts[:depth])
+            if module != "blocks":
+                order.setdefault(module, [])
+        order[".".join(parts)].append(i)
+    return list(order.items())

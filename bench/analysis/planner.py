@@ -20,7 +20,7 @@ from functools import lru_cache
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
 from bench.analysis.hardware import Hardware, get_hardware
 from bench.analysis.stage_plan import stage_plan
-from bench.config import ConfigError, RunConfig, structural_reason
+from bench.config import ConfigError, RunConfig, check_number, structural_reason
 from models.config import get_preset
 
 # (backend, zero, fsdp) in order of preference; the cost model tells these apart by what they shard
@@ -183,6 +183,9 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
                         ("seq", seq), ("top", top)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    reason = check_number("memory_fraction", memory_fraction, False, (0, 1.0, True))
+    if reason:
+        raise ValueError(reason)
     limit = hw.memory_bytes * memory_fraction
     validate = _Validator(engines, "cpu" if hw.name == "cpu" else "cuda")
     dropped, seen, results = Counter(), set(), []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 
 from bench.analysis.memory import rank_params, sharding
-from bench.analysis.params import fsdp_group_sizes, native_buckets, numel, stage_chunk_params
+from bench.analysis.params import fsdp_group_sizes, native_buckets, stage_param_sizes
 from bench.schedule import Step, partition, rank_chunks, rank_peak, schedule_step
 from models.config import GPTConfig
 
@@ -76,7 +76,7 @@ class StagePlan:
 
     def param_sizes(self, stage: int) -> list[int]:
         """Element counts of every parameter a rank holds, in registration order."""
-        return [numel(s) for chunk in stage_chunk_params(*self._key(stage)) for _, s, _ in chunk]
+        return list(stage_param_sizes(*self._key(stage)))
 
 
 def executed_schedule(cfg) -> tuple[str, bool]:

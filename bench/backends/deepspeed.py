@@ -12,8 +12,9 @@
   blocks, norm + head): a stage builds only its layers.
 - Tensor parallel uses the native engine's TP layers (`bench.native.tensor`) inside DeepSpeed's
   engine, as Megatron-DeepSpeed does; the row's `tp_impl` says so.
-- Persistent bytes are DeepSpeed's own local tensors (flat parameter buffers or ZeRO-3 partitions,
-  fp32 master partitions, optimizer moments, and the gradients it holds at its optimizer step).
+- Model-state bytes are DeepSpeed's own local tensors (flat parameter buffers or ZeRO-3 partitions,
+  fp32 master partitions, optimizer moments, and the gradients its optimizer steps on), counted by
+  the rule every backend is counted by (`bench.metrics.memory.state_bytes`).
 - Warm rank processes: DeepSpeed keeps module-level state (its comm backend `cdb`, cached groups in
   `deepspeed.utils.groups`, the pipeline p2p grid, the comms logger). `cdb` follows
   torch.distributed (its `is_initialized` asks torch, and it holds no group), so it survives the
@@ -122,7 +123,6 @@ def topology(layout):
 # --- gradient / state accounting -------------------------------------------------------------------
 _MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
                  "fp32_groups_flat", "fp32_groups")
-_GRAD_ATTRS = ("grads_in_partition", "grad_partitions_flat_buffer")
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -134,16 +134,6 @@ def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
-
-
-def _storage_key(t: torch.Tensor):
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
-
-
-def _without(tensors, exclude) -> list[torch.Tensor]:
-    keys = {_storage_key(t) for t in exclude if t is not None and t.untyped_storage().nbytes()}
-    return [t for t in tensors if t is not None and _storage_key(t) not in keys]
 
 
 class _DeepSpeedTrainer(Trainer):
@@ -168,23 +158,16 @@ class _DeepSpeedTrainer(Trainer):
 
     def _capture_grads_at_step(self) -> None:
         """DeepSpeed frees gradients right after its optimizer step; the base contract keeps them until
-        the next step starts. So take hold of the gradient tensors DeepSpeed has when its optimizer
-        step begins (after backward and the gradient reduction), and release them at the next step."""
-        opt = self.engine.optimizer
+        the next step starts. So take hold of the gradients the torch optimizer steps on (ZeRO: this
+        rank's fp32 partition; ZeRO-0: the module's) when DeepSpeed calls its step, and release
+        them when the next step starts."""
+        opt = self.client_optimizer
         inner_step = opt.step
 
         def step(*args, **kwargs):
-            self._grads = self._live_grads()
+            self._grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
             return inner_step(*args, **kwargs)
         opt.step = step
-
-    def _live_grads(self) -> list[torch.Tensor]:
-        params = list(self.engine.module.parameters())
-        found = [p.grad for p in params] + [getattr(p, "grad_accum", None) for p in params]
-        opt = self.engine.optimizer
-        for attr in ("averaged_gradients", *_GRAD_ATTRS):
-            found += _tensors(getattr(opt, attr, None))
-        return [t for t in found if t is not None and t.numel() > 0]
 
     def _begin_step(self) -> None:
         self._grads = []  # the base contract: gradients of the last step live until the next starts
@@ -194,17 +177,19 @@ class _DeepSpeedTrainer(Trainer):
         self._comms_step = _comms_delta(self._comms_before, _comms_counts())
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """DeepSpeed's real local tensors: the module's parameter storage (stage 3: the `ds_tensor`
-        partitions and any parameter it keeps whole), the gradients it held at its optimizer step,
-        and the optimizer's state plus the fp32 master partitions ZeRO keeps beside the parameters."""
+        """DeepSpeed's real local tensors, by the one rule (`bench.metrics.memory.state_bytes`): the
+        module's parameter storage (ZeRO-1/2: the flat buffer they are views of; ZeRO-3: the
+        `ds_tensor` partitions and the parameters it keeps whole), the gradients its optimizer stepped
+        on, and what the optimizer owns: the fp32 master partitions and Adam's state.
+        `bench.analysis.memory._deepspeed_state` predicts each."""
         params = []
         for p in self.engine.module.parameters():
             params += [p.data if p.numel() else None, getattr(p, "ds_tensor", None)]
         params = [t for t in params if t is not None and t.numel() > 0]
         opt = self.engine.optimizer
         masters = [t for attr in _MASTER_ATTRS for t in _tensors(getattr(opt, attr, None))]
-        optimizer = _without(masters + optimizer_tensors(self.client_optimizer), params)
-        return {"params": params, "grads": _without(self._grads, params), "optimizer": optimizer}
+        return {"params": params, "grads": self._grads,
+                "optimizer": masters + optimizer_tensors(self.client_optimizer)}
 
     def extras(self) -> dict:
         out = {"ds_config": json.dumps(self.config, sort_keys=True), "tp_impl": self.tp_impl,

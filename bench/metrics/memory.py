@@ -59,13 +59,25 @@ def _alloc_retries(device: torch.device) -> int:
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
-def tensor_bytes(tensors) -> int:
-    """Bytes of distinct storages (shared views and tied weights count once); DTensors by local shard."""
-    seen, total = set(), 0
+def state_bytes(state: dict[str, list]) -> dict[str, int]:
+    """The one accounting rule for model state (every backend's `Trainer.state_tensors`): bytes of
+    distinct storages, each counted once, in the first category that holds it, in the order
+    params, grads, optimizer. So a parameter view of a flat buffer counts the buffer (padding
+    included), and an optimizer that steps on the model's own tensors adds only its state, while
+    one that keeps its own copies (master weights, flat shards and their gradients) adds those."""
+    seen: set = set()
+    out = {}
+    for kind in ("params", "grads", "optimizer"):
+        out[kind] = _bytes_once(state.get(kind, []), seen)
+    return out
+
+
+def _bytes_once(tensors, seen: set) -> int:
+    total = 0
     for t in tensors:
         if t is None:
             continue
-        t = getattr(t, "_local_tensor", t)
+        t = getattr(t, "_local_tensor", t)  # DTensor: its local shard
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         if key not in seen and storage.nbytes() > 0:
@@ -75,5 +87,8 @@ def tensor_bytes(tensors) -> int:
 
 
 def optimizer_tensors(optimizer) -> list:
-    return [v for state in optimizer.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
+    """Everything a torch optimizer reaches: the tensors it steps on, their gradients, its state
+    (0-dim step counters aside). `state_bytes` drops those that are the model's own."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return params + [p.grad for p in params] + state

@@ -7,6 +7,11 @@ it and the bucket is reduced without copies. With ZeRO-1 the buffer is padded to
     zero 0: all_reduce(grads (N,))                           payload 4·N bytes
     zero 1: reduce_scatter(grads (N_pad,)) → shard (N_pad/dp,); optimizer updates the shard;
             all_gather(shard) → params (N_pad,)               payload 4·N_pad bytes each
+
+ZeRO-1 keeps no copy: the shard the optimizer steps on is a view of this rank's slice of the flat
+parameter buffer, and its gradient a view of the same slice of the gradient buffer, so the rank
+holds params 4·N_pad + grads 4·N_pad + Adam 8·N_pad/dp. The engine keeps fp32 weights under
+mixed precision too (torch.autocast casts inside the matmuls), so no fp32 master is ever needed.
 """
 from __future__ import annotations
 
@@ -43,8 +48,8 @@ class Bucket:
             p.data = view
         size = padded // self.dp
         self.span = slice(dp_rank * size, (dp_rank + 1) * size)
-        self.shard = nn.Parameter(self.flat_params[self.span].clone())
-        self.shard.grad = torch.zeros_like(self.shard)
+        self.shard = nn.Parameter(self.flat_params[self.span])  # a view: updated in place
+        self.shard.grad = self.grads[self.span]  # reduce-scattered into its own slice
 
     def zero_grad(self) -> None:
         self.grads.zero_()
@@ -60,7 +65,8 @@ class Bucket:
         """Start the asynchronous reduction over dp (no-op for dp = 1)."""
         if self.dp == 1 or self.work is not None:
             return
-        if self.zero:  # (N_pad,) → (N_pad/dp,) this rank's shard, summed over dp
+        if self.zero:  # (N_pad,) → (N_pad/dp,) this rank's shard, summed over dp, written into its own
+            # slice of the input (in place: NCCL documents it; on gloo the ZeRO-1 parity tests check it)
             self.work = dist.reduce_scatter_single(self.shard.grad, self.grads, group=self.group, async_op=True)
         else:  # (N,) summed over dp, in place
             self.work = dist.all_reduce(self.grads, group=self.group, async_op=True)
@@ -68,8 +74,6 @@ class Bucket:
     def wait(self) -> None:
         """Finish the reduction and turn the sum into the mean over dp replicas."""
         if self.dp == 1:
-            if self.zero:
-                self.shard.grad.copy_(self.grads[self.span])
             return
         self.launch()
         self.work.wait()
@@ -77,12 +81,9 @@ class Bucket:
 
     def gather_params(self) -> None:
         """ZeRO-1, after the optimizer step: every rank's updated shard → all params (N_pad,)."""
-        if not self.zero:
+        if not self.zero or self.dp == 1:  # dp = 1: the shard is the whole buffer, already updated
             return
-        if self.dp == 1:
-            self.flat_params.copy_(self.shard.detach())
-            return
-        with torch.no_grad():
+        with torch.no_grad():  # this rank's slice is both input and output (in place, as NCCL allows)
             dist.all_gather_single(self.flat_params, self.shard.detach(), group=self.group)
 
 

@@ -7,7 +7,8 @@ the embedding lives on stage 0, the final norm, head and loss on stage p·v − 
 A schedule is this rank's list of actions ("F" | "B", chunk, micro-batch); one executor runs any
 of them. The bubble meter times compute (busy) against the rest of the pipeline phase (waiting
 for a neighbour: idle) on one extra step the worker meters, never on a timed one; the ideal bubble
-is (p − 1)/(m + p − 1), divided by v when interleaved.
+is (p − 1)/(m + p − 1), interleaved (p − 1)/(v·m + p − 1) (bench.schedule simulates it; a test with
+the fault `stage_sleep:MS` checks the meter against the simulation).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
+from bench.config import parse_fault
 from bench.native.pipeline_comm import PipeComm
 from bench.native.tensor import vocab_parallel_cross_entropy
 from bench.schedule import rank_chunks, schedule
@@ -108,6 +110,12 @@ class Pipeline:
         # and runs a pair's ops on one stream, where a receive posted ahead of a send the peer waits for
         # could deadlock (interleaved pp 2 sends and receives activations between the same two ranks).
         self.post_ahead = torch.device(device).type != "cuda"
+        # test-only (fault stage_sleep:MS): every compute section also sleeps, so stage compute dominates
+        self.stage_sleep_s = (parse_fault(run_cfg.fault).get("stage_sleep") or 0.0) / 1e3
+
+    def _test_delay(self) -> None:
+        if self.stage_sleep_s:
+            time.sleep(self.stage_sleep_s)
 
     def _sid(self, chunk: int) -> int:
         return self.sids[chunk]
@@ -160,6 +168,7 @@ class Pipeline:
                 out = out / self.cfg.micro_batches
             else:
                 out = out.to(self.act_dtype)  # (b, s[/tp], h): what travels to the next stage
+            self._test_delay()
         if sid == self.last_sid:
             losses.append(out.detach())
         else:
@@ -172,6 +181,7 @@ class Pipeline:
         grad = None if received is None else received.wait()  # (b, s[/tp], h) like `out`
         with self.meter.compute():
             torch.autograd.backward(out, grad)
+            self._test_delay()
         if sid != 0:
             self.comm.send_backward(x.grad, self._prev_chunk(chunk))
 

@@ -58,9 +58,13 @@ def load_baseline(path) -> tuple[pd.DataFrame, dict | None]:
     if not meta_path or not meta_path.exists():
         return load_one(path), None
     try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{meta_path}: not valid JSON ({e}); regenerate the baseline with --update-baseline") from None
+        meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{meta_path}: not valid JSON ({type(e).__name__}); regenerate the baseline with "
+                         "--update-baseline") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: not a baseline description (a JSON object); regenerate the baseline "
+                         "with --update-baseline")
     if meta.get("schema_version") != schema_version():
         raise ValueError(f"baseline {path} has results schema version {meta.get('schema_version')}, this parabench "
                          f"writes version {schema_version()}; regenerate it: `bench compare {path} RESULTS "

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import sys
 
+import math
+
 import click
+
+from bench.cli_options import positive_int
 
 COMMANDS: list[click.Command] = []
 
@@ -17,7 +21,7 @@ def _command(func):
 @_command
 @click.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path())
-@click.option("-o", "--out", "out", type=click.Path(), default="report", show_default=True,
+@click.option("-o", "--out", "out", type=click.Path(file_okay=False), default="report", show_default=True,
               help="folder for index.html, report.md and figures/")
 def report(results, out):
     """Write an HTML + Markdown report of sweep RESULTS (output folders or results.parquet files)."""
@@ -40,9 +44,13 @@ def _parse_thresholds(items) -> dict[str, float]:
 def _fraction(value: str, hint: str) -> float:
     text = str(value).strip()
     try:
-        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        fraction = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a fraction (0.05) or a percentage (5%)", param_hint=hint) from None
+    if not math.isfinite(fraction) or fraction < 0:
+        raise click.BadParameter(f"{value!r} must be a finite fraction ≥ 0 (0.05) or percentage (5%)",
+                                 param_hint=hint)
+    return fraction
 
 
 @_command
@@ -59,7 +67,11 @@ def _fraction(value: str, hint: str) -> float:
 @click.option("--json", "as_json", is_flag=True, help="print the comparison as JSON")
 @click.option("--markdown", "as_markdown", is_flag=True, help="print Markdown (for a CI comment)")
 @click.option("--update-baseline", is_flag=True, help="after comparing, write CURRENT as the new BASELINE (exit 0)")
-def compare(baseline, current, threshold, metric_thresholds, exact_only, as_json, as_markdown, update_baseline):
+@click.option("--check-predictions", is_flag=True,
+              help="also fail when a run's predicted communication (pred_comm_*) differs from its measured "
+                   "comm_* (bytes, wire bytes, ops), in CURRENT or in BASELINE")
+def compare(baseline, current, threshold, metric_thresholds, exact_only, as_json, as_markdown, update_baseline,
+            check_predictions):
     """Compare CURRENT results with BASELINE config by config; exit 1 on a regression.
 
     Exact metrics must be equal; noisy metrics regress only when worse than the baseline by more than the
@@ -71,6 +83,7 @@ def compare(baseline, current, threshold, metric_thresholds, exact_only, as_json
     from bench.report.compare import compare as run_compare
     from bench.report.load import load_many
 
+    thresholds, default_threshold = _parse_thresholds(metric_thresholds), _fraction(threshold, "--threshold")
     cur = load_many([current])
     if update_baseline and not Path(baseline).exists():
         bl.write_baseline(cur, baseline)
@@ -82,8 +95,8 @@ def compare(baseline, current, threshold, metric_thresholds, exact_only, as_json
         notes.append(f"the baseline was measured on '{meta.get('machine_kind')}', these results on "
                      f"'{bl.machine_kind(cur)}': timing and measured memory are reported, not gated")
         gate_timing = False
-    result = run_compare(base, cur, thresholds=_parse_thresholds(metric_thresholds),
-                         default_threshold=_fraction(threshold, "--threshold"), exact_only=not gate_timing)
+    result = run_compare(base, cur, thresholds=thresholds, default_threshold=default_threshold,
+                         exact_only=not gate_timing)
     result.exact_only = exact_only or not gate_timing
     result.notes.extend(notes)
     if as_json:
@@ -96,7 +109,19 @@ def compare(baseline, current, threshold, metric_thresholds, exact_only, as_json
         bl.write_baseline(cur, baseline)
         click.echo(f"baseline updated: {baseline} ({len(cur)} runs)", err=True)
         return
-    sys.exit(1 if result.regressed else 0)
+    wrong = _prediction_check(base, cur) if check_predictions else []
+    sys.exit(1 if result.regressed or wrong else 0)
+
+
+def _prediction_check(base, cur) -> list[str]:
+    from bench.report.compare import prediction_mismatches
+    wrong = [f"baseline: {w}" for w in prediction_mismatches(base)] + \
+        [f"current: {w}" for w in prediction_mismatches(cur)]
+    for line in wrong:
+        click.echo(f"prediction ≠ measurement: {line}", err=True)
+    if not wrong:
+        click.echo("predicted communication = measured in every run (baseline and current)", err=True)
+    return wrong
 
 
 @click.group()
@@ -106,7 +131,8 @@ def history():
 
 @history.command("add")
 @click.argument("results", nargs=-1, required=True, type=click.Path())
-@click.option("--history", "path", type=click.Path(), default="results/history.parquet", show_default=True)
+@click.option("--history", "path", type=click.Path(dir_okay=False), default="results/history.parquet",
+              show_default=True)
 def history_add(results, path):
     """Append RESULTS' rows (with the git sha and time) to the history."""
     from bench.report import history as h
@@ -120,21 +146,23 @@ def history_add(results, path):
 @click.option("--metric", default="tokens_per_s", show_default=True, help="column to plot over time")
 @click.option("--where", "where", multiple=True, metavar="COLUMN=VALUE", help="filter rows, e.g. backend=native")
 @click.option("--threshold", default="10%", show_default=True, help="relative level shift that flags a step change")
-@click.option("--window", default=3, show_default=True, help="points on each side of a step change")
-@click.option("-o", "--out", "out", type=click.Path(), default=None,
+@click.option("--window", type=positive_int(1000), default=3, show_default=True,
+              help="points on each side of a step change")
+@click.option("-o", "--out", "out", type=click.Path(dir_okay=False), default=None,
               help="figure path (default: results/history-<config>-<metric>.png)")
-@click.option("--history", "path", type=click.Path(), default="results/history.parquet", show_default=True)
+@click.option("--history", "path", type=click.Path(dir_okay=False), default="results/history.parquet",
+              show_default=True)
 def history_show(config, metric, where, threshold, window, out, path):
     """Plot METRIC of one config over time and flag step changes; without --config, list the configs."""
     from pathlib import Path
 
     from bench.report import history as h
     from bench.report.labels import add_labels
-    df = h.read(path)
     bad = [w for w in where if "=" not in w]
     if bad:
         raise click.BadParameter(f"{bad[0]!r} must look like COLUMN=VALUE", param_hint="--where")
-    filters = dict(w.split("=", 1) for w in where)
+    filters, shift = dict(w.split("=", 1) for w in where), _fraction(threshold, "--threshold")
+    df = h.read(path)
     rows = h.select(df, config, filters)
     if not config and not filters:
         listing = add_labels(rows).groupby("config_id").agg(
@@ -147,7 +175,7 @@ def history_show(config, metric, where, threshold, window, out, path):
     points = h.series(rows, metric)
     if points.empty:
         raise click.ClickException(f"no successful runs with {metric} for that selection")
-    flagged = h.step_changes(points["value"].tolist(), window=window, threshold=_fraction(threshold, "--threshold"))
+    flagged = h.step_changes(points["value"].tolist(), window=window, threshold=shift)
     label = add_labels(rows.head(1))["label"].iloc[0]
     name = (config or "selection").replace("/", "_")
     figure = h.plot(points, flagged, metric, f"{label}: {metric}",

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import pandas as pd
 
 from bench.report.labels import config_label
-from bench.results import EXACT, Compare, Status
+from bench.results import COLUMNS, EXACT, Compare, Status
 from bench.results import NOISY as NOISY_COLUMNS
 
 DEFAULT_THRESHOLD = 0.05
@@ -45,8 +45,9 @@ class Judgement:
 
 
 def judge(base, current, *, exact: bool, higher_is_better: bool = False,
-          threshold: float = DEFAULT_THRESHOLD, floor: float = 0.0) -> Judgement:
-    """Verdict for one metric of one config from the baseline's and the current repeats' values."""
+          threshold: float = DEFAULT_THRESHOLD, floor: float = 0.0, rel_tol: float = 1e-9) -> Judgement:
+    """Verdict for one metric of one config from the baseline's and the current repeats' values
+    (exact: equal within `rel_tol` relative, or 1e-9 absolute)."""
     base = [float(v) for v in base if _finite(v)]
     current = [float(v) for v in current if _finite(v)]
     if not base or not current:
@@ -54,7 +55,7 @@ def judge(base, current, *, exact: bool, higher_is_better: bool = False,
     b, c = statistics.median(base), statistics.median(current)
     change = (c - b) / abs(b) if b else (0.0 if c == b else math.inf)
     if exact:
-        same = math.isclose(b, c, rel_tol=1e-9, abs_tol=1e-9)
+        same = math.isclose(b, c, rel_tol=rel_tol, abs_tol=1e-9)
         return Judgement("equal" if same else "changed", b, c, change, 0.0, 0.0)
     noise = max(_spread(base), _spread(current))
     limit = max(threshold * abs(b), noise, floor)
@@ -121,9 +122,12 @@ def _compare_config(b: pd.DataFrame, c: pd.DataFrame, exact_cols, thresholds, de
                  "threshold": None, "error": error}]
     rows = []
     for metric in exact_cols:
+        col = COLUMNS[metric]
+        if col.exact_dtypes and str(c_ok["dtype"].iloc[0] if "dtype" in c_ok else "") not in col.exact_dtypes:
+            continue  # exact only on some dtypes (fp32 losses)
         if metric in b_ok:
             c_ok = c_ok if metric in c_ok else c_ok.assign(**{metric: float("nan")})
-            j = judge(b_ok[metric], c_ok[metric], exact=True)
+            j = judge(b_ok[metric], c_ok[metric], exact=True, rel_tol=col.rel_tol)
             if j.base is None and j.current is None:
                 continue  # the metric does not apply to this config (e.g. a prediction it has none of)
             if j.current is None:
@@ -186,3 +190,19 @@ def _range(values: list[float]) -> tuple[float, float] | None:
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def prediction_mismatches(df: pd.DataFrame) -> list[str]:
+    """Where a run's predicted communication differs from what it measured: every `pred_comm_*`
+    column of a row with status ok against its `comm_*` column (bytes, wire bytes and ops per
+    group). The cost model is exact for communication, so any difference is a failure; one line
+    per difference, naming the config."""
+    ok = df[df["status"] == Status.OK] if "status" in df else df
+    pairs = [(p, p[len("pred_"):]) for p in ok.columns if p.startswith("pred_comm_") and p[len("pred_"):] in ok]
+    out = []
+    for _, row in ok.iterrows():
+        for pred, meas in pairs:
+            p, m = row[pred], row[meas]
+            if _finite(p) and _finite(m) and not math.isclose(float(p), float(m), rel_tol=1e-9, abs_tol=1e-6):
+                out.append(f"{config_label(row.to_dict())}: {pred} = {float(p):g}, {meas} = {float(m):g}")
+    return out

@@ -41,7 +41,14 @@ def read(path=DEFAULT_PATH) -> pd.DataFrame:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no history yet; record a sweep with `bench history add RESULTS`")
-    return check_frame(read_parquet(path, "history parquet"), path)
+    df = check_frame(read_parquet(path, "history parquet"), path)
+    missing = [c for c in ("time", "SCHEMA_VERSION") if c not in df.columns]
+    if missing:
+        raise ValueError(f"{path}: not a history written by `bench history add` (no {', '.join(missing)} column)")
+    unknown = sorted({str(s) for s in df["status"]} - set(Status))
+    if unknown:
+        raise ValueError(f"{path}: unknown status value(s) {unknown[:5]}; expected {', '.join(Status)}")
+    return df
 
 
 def select(df: pd.DataFrame, config: str | None, where: dict[str, str]) -> pd.DataFrame:

@@ -72,9 +72,27 @@ def _fallback(path: Path) -> pd.DataFrame:
                                     "is this a `bench sweep` output folder?")
         return pd.DataFrame([json.loads(f.read_text()) for f in files])
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        return pd.DataFrame(data if isinstance(data, list) else [data])
+        return _json_rows(path)
     return pd.read_parquet(path)
+
+
+def _json_rows(path: Path) -> pd.DataFrame:
+    """A run JSON file: one row, or a list of rows; each checked as the store checks its files."""
+    from bench.sweep.store import CorruptRow, read_row, row_problem, to_dataframe
+    if path.is_dir():
+        raise ValueError(f"{path}: a folder named .json; give a sweep output folder or a run JSON file")
+    data, reason = read_row(path)
+    if reason and reason.startswith("a JSON list"):  # a list of rows
+        rows = json.loads(path.read_bytes().decode("utf-8"))
+        for i, row in enumerate(rows):
+            if row_problem(row):
+                raise CorruptRow(f"{path}[{i}]", row_problem(row))
+        if not rows:
+            raise ValueError(f"{path}: an empty list, no result rows")
+        return to_dataframe(rows, str(path))
+    if reason:
+        raise CorruptRow(path, reason)
+    return to_dataframe([data], str(path))
 
 
 def _check_schema_versions(df: pd.DataFrame, paths) -> None:

@@ -11,11 +11,10 @@ import pandas as pd
 
 from bench.report.figures import ok_runs, per_config
 from bench.report.labels import MiB, add_labels, present
+from bench.report.parity import FP32_REL, SIGNAL_SHARE, loss_tolerance, training_signal
 from bench.results import Status
 
 PARITY_KEY = ("model", "model_overrides", "seed", "seq", "global_batch", "dtype", "steps", "warmup")
-PARITY_TOL = {"fp32": 1e-4}  # max |Δloss| relative to the reference loss; mixed precision: 2e-2
-PARITY_TOL_MIXED = 2e-2
 
 
 def summary(df: pd.DataFrame) -> dict:
@@ -118,7 +117,7 @@ def loss_parity(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
         if ref is None:
             continue
         diff = _max_loss_diff(run, ref)
-        tol = PARITY_TOL.get(str(run.get("dtype")), PARITY_TOL_MIXED)
+        tol = loss_tolerance(str(run.get("dtype")), training_signal(_losses(ref)))
         rel = diff / abs(ref["loss_last"]) if ref["loss_last"] else diff
         rows.append({"run": run["label"], "run_id": run["run_id"], "reference": ref["label"],
                      "loss (last step)": f"{run['loss_last']:.6f}", "reference loss": f"{ref['loss_last']:.6f}",
@@ -126,19 +125,25 @@ def loss_parity(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     if not rows:
         return pd.DataFrame(), ("The single-process run(s) here use another model, seed, sequence length or global "
                                 "batch than every multi-rank run, so no run has a reference to compare with.")
-    note = (f"Reference: the world-size-1 run with the same {', '.join(key)}. Tolerance: {PARITY_TOL['fp32']:g} "
-            f"relative for fp32, {PARITY_TOL_MIXED:g} for mixed precision.")
+    note = (f"Reference: the world-size-1 run with the same {', '.join(key)}. Tolerance: {FP32_REL:g} relative "
+            f"for fp32; for mixed precision {SIGNAL_SHARE:g} × the reference's own relative loss change over the "
+            "run (its training signal), so a run that trains at half speed or not at all fails.")
     return pd.DataFrame(rows), note
 
 
 def _max_loss_diff(run, ref) -> float:
-    try:
-        a, b = json.loads(run["losses"]), json.loads(ref["losses"])
-        if len(a) == len(b) and a:
-            return max(abs(x - y) for x, y in zip(a, b))
-    except (TypeError, ValueError, KeyError):
-        pass
+    a, b = _losses(run), _losses(ref)
+    if len(a) == len(b) and a:
+        return max(abs(x - y) for x, y in zip(a, b))
     return abs(run["loss_last"] - ref["loss_last"])
+
+
+def _losses(row) -> list[float]:
+    """Every step's loss (the `losses` JSON list), or first and last where the list is missing."""
+    try:
+        return json.loads(row["losses"])
+    except (TypeError, ValueError, KeyError):
+        return [row["loss_first"], row["loss_last"]]
 
 
 def failures(df: pd.DataFrame) -> pd.DataFrame:

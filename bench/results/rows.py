@@ -55,9 +55,10 @@ def _refused_config(params: dict) -> dict:
 
 
 def classify_error(text: str) -> Status:
-    """oom for out-of-memory errors (CUDA or host), failed for anything else."""
+    """oom for out-of-memory errors (CUDA, Python, or a host allocator's ENOMEM), failed for anything else."""
     lowered = text.lower()
-    return Status.OOM if ("out of memory" in lowered or "memoryerror" in lowered) else Status.FAILED
+    oom = ("out of memory", "memoryerror", "cannot allocate memory")  # ENOMEM: "Error code 12 (Cannot allocate memory)"
+    return Status.OOM if any(words in lowered for words in oom) else Status.FAILED
 
 
 def format_exception(exc: BaseException) -> str:

@@ -68,6 +68,10 @@ class Column:
     of 0.4 % vs 0.9 % is no pipeline regression)."""
     always: bool = True
     """Every row has it (NaN/None when it does not apply); else only rows of the backend that makes it."""
+    rel_tol: float = 1e-9
+    """Exact columns: a relative difference up to this still counts as equal."""
+    exact_dtypes: tuple = ()
+    """Exact columns: compared only on runs of these dtypes (empty: every run)."""
 
 
 @dataclass(frozen=True)
@@ -201,8 +205,11 @@ DECLARED: list[Column | Family] = [
     _measured("grads_bytes", "float", "bytes", "local gradient bytes", "max", Compare.EXACT),
     _measured("optimizer_bytes", "float", "bytes", "local optimizer-state bytes", "max", Compare.EXACT),
     *_COMM,
-    _measured("loss_first", "float", "", "global mean loss of the first step", "replicas"),
-    _measured("loss_last", "float", "", "global mean loss of the last step", "replicas"),
+    # fp32 losses are deterministic for a config here (same kernels, same reduction order): a change
+    # beyond float noise is a change of numerics. Mixed precision (and CUDA atomics) are not gated.
+    *[_measured(f"loss_{which}", "float", "", f"global mean loss of the {which} step; exact within 1e-6 "
+                "relative on fp32 runs", "replicas", Compare.EXACT, rel_tol=1e-6, exact_dtypes=("fp32",))
+      for which in ("first", "last")],
     Column("device_name", "str", "device the run used (cpu or the CUDA device name)", Kind.ENVIRONMENT,
            ranks="rank0"),
     Column("time", "str", "UTC time the row was made (ISO 8601)", Kind.ENVIRONMENT, ranks="rank0"),

@@ -20,11 +20,14 @@ COMMANDS: list[click.Command] = []
               help="Slurm: at most N runs of a job array at once (overrides the profile)")
 @click.option("--no-progress", is_flag=True, help="no live progress bar or per-run log lines")
 @click.option("--no-report", is_flag=True, help="skip the report even if the sweep file asks for one")
+@click.option("--fail-on-failure", is_flag=True,
+              help="exit 1 when OUT holds a failed, oom, timeout or cancelled row (default: exit 0, they are results)")
 def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, max_parallel, no_progress,
-          no_report):
+          no_report, fail_on_failure):
     """Run every configuration of a sweep FILE; one row per run in OUT/runs/, all rows in OUT/results.parquet.
 
-    A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled."""
+    A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled, and the sweep
+    exits 0 (1 with --fail-on-failure); a mistake in the inputs exits 2 before anything launches."""
     from rich.console import Console
 
     from bench.sweep.runner import dry_run_table, make_launcher, plan, print_counts, run_sweep, summary_table
@@ -53,6 +56,12 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
                   + f"   wall {result.wall_s:.1f} s   → {out}/results.parquet")
     if spec.report and not no_report:
         _write_report(out, console)
+    if fail_on_failure:
+        from bench.results import PROBLEMS
+        failures = sum(row["status"] in PROBLEMS for row in rows)
+        if failures:
+            console.print(f"[red]{failures} run(s) in {out} failed, ran out of memory, timed out or were cancelled[/]")
+            raise SystemExit(1)
 
 
 def _write_report(out: Path, console) -> None:

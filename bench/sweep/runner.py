@@ -7,11 +7,12 @@ also reruns the failed, oom, timeout and cancelled ones.
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench.config import RunConfig
+from bench.config import ConfigError, RunConfig
 from bench.results import PROBLEMS, Status, skipped_row
 from bench.sweep.launcher import Launcher
 from bench.sweep.spec import Expansion, SweepError, SweepSpec, expand
@@ -57,6 +58,8 @@ def plan(spec: SweepSpec, launch: Launcher) -> Expansion:
     """Expand the sweep; runs the launcher cannot place become skipped rows too. Raises SweepError when
     nothing at all can run (an impossible layout, say): that is a mistake in the file, not a result."""
     exp = expand(spec)
+    if launch.kind == "local":
+        _check_local_size(spec, exp)
     runnable = []
     for cfg in exp.runs:
         reason = launch.unsupported(cfg)
@@ -72,6 +75,35 @@ def plan(spec: SweepSpec, launch: Launcher) -> Expansion:
     return exp
 
 
+def local_rank_limit() -> int:
+    """Most ranks the local launcher starts at once on this machine: 4 per CPU core, at least 8 (beyond,
+    the processes alone exhaust it); PARABENCH_MAX_LOCAL_RANKS sets another limit."""
+    import os
+    env = os.environ.get("PARABENCH_MAX_LOCAL_RANKS")
+    if env is None:
+        return max(8, 4 * (os.cpu_count() or 1))
+    if not env.strip().isdigit() or int(env) < 1:  # refused, not replaced by the default
+        raise ConfigError(f"PARABENCH_MAX_LOCAL_RANKS must be a positive integer, got {env!r}")
+    return int(env)
+
+
+def local_size_reason(world: int) -> str | None:
+    limit = local_rank_limit()
+    if world <= limit:
+        return None
+    return (f"world size {world} (tp × pp × dp) is more ranks than the local launcher starts on this machine "
+            f"(at most {limit}: 4 per CPU core, or PARABENCH_MAX_LOCAL_RANKS); use the slurm launcher")
+
+
+def _check_local_size(spec: SweepSpec, exp: Expansion) -> None:
+    """Refuse the sweep before anything starts: such a run is a typo, not a result."""
+    world = max((c.world for c in exp.runs), default=0)
+    reason = local_size_reason(world)
+    if reason:
+        key = "world_size" if spec.world_sizes and world in spec.world_sizes else "grid"
+        raise SweepError(spec.source, key, reason)
+
+
 def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, profile: str | None = None,
               resume: bool = False, retry_failed: bool = False, exclusive: bool = False,
               max_parallel: int | None = None, progress: bool = True) -> SweepOutcome:
@@ -81,11 +113,14 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     exp = plan(spec, launch)
     check_profile(exp.runs, launch, out)
     store = ResultStore(out, sweep_columns(spec, launch.kind))
-    stored = store.statuses()
-    if stored and not (resume or retry_failed):
-        raise ValueError(f"{out} already holds {len(stored)} run row(s); add --resume to skip the finished runs "
+    held = store.files()
+    if held and not (resume or retry_failed):
+        raise ValueError(f"{out} already holds {len(held)} run row(s); add --resume to skip the finished runs "
                          "(--retry-failed to rerun the failed ones too), or choose another --out")
     launch.check_ready()
+    for line in store.set_aside():  # a corrupt row is no result: its run is launched again
+        print(f"warning: {line}", file=sys.stderr)
+    stored = store.statuses()
     out.mkdir(parents=True, exist_ok=True)
     source = Path(spec.source)
     if source.is_file() and source.resolve() != (out / "sweep.yaml").resolve():

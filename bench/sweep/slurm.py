@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated, Callable
 
 import pydantic
-from annotated_types import Ge
+from annotated_types import Ge, Gt
 from pydantic import Strict
 
 from bench.config import RunConfig
@@ -39,7 +39,8 @@ Positive = Annotated[int, Ge(1)]
 Lines = Annotated[tuple[str, ...], Strict(False)]  # YAML lists become tuples (the profile is frozen)
 
 
-@pydantic.dataclasses.dataclass(frozen=True, config=pydantic.ConfigDict(strict=True, extra="forbid"))
+@pydantic.dataclasses.dataclass(frozen=True, config=pydantic.ConfigDict(strict=True, extra="forbid",
+                                                                       allow_inf_nan=False))
 class SlurmProfile:
     name: str = "local"
     partition: str | None = None
@@ -53,7 +54,7 @@ class SlurmProfile:
     gpus_per_node: Count = 0
     """GPUs requested per node (0: request none)."""
     cpus_per_task: Count = 1
-    mem_gb: float | None = None
+    mem_gb: Annotated[float, Gt(0)] | None = None
     time_min: Count | None = None
     """Job time limit; default: the run's timeout_s in minutes, rounded up, plus 2 for start-up."""
     max_parallel: Positive = 8
@@ -69,7 +70,7 @@ class SlurmProfile:
     signal_delay_s: Count = 30
     slurm_additional_parameters: dict = field(default_factory=dict)
     """Any other sbatch option, e.g. {reservation: my-res}."""
-    poll_s: float = 1.0
+    poll_s: Annotated[float, Gt(0)] = 1.0
     """How often the sweep looks at its jobs (result files; sacct at most every 2 s)."""
 
     def shape(self, cfg: RunConfig) -> tuple[int, int]:
@@ -108,7 +109,7 @@ def load_profile(name: str, overrides: dict | None = None, source: str = "<launc
         where = ("--profile", "") if from_cli else (source, f"{prefix}profile")
         raise FileError(*where, f"unknown slurm profile {name!r}{suggest(name, known)} "
                                 f"(profiles in {PROFILE_DIR}: {', '.join(known) or 'none'})")
-    data = load_yaml(path) or {}
+    data = load_yaml(path, "slurm profile") or {}
     if not isinstance(data, dict):
         raise FileError(str(path), "", "a profile is a mapping of keys: " + ", ".join(PROFILE_KEYS))
     profile = _profile(path.stem, data, str(path), "")  # the file alone first: its own mistakes name it

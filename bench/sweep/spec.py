@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -44,7 +45,7 @@ from typing import Annotated, Any, Optional
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, WrapValidator,
                       create_model, field_validator, model_validator)
 
-from bench.config import BACKENDS, ConfigError, RunConfig, field_types
+from bench.config import BACKENDS, ConfigError, RunConfig, check_number, fault_reason, field_reason, field_types
 from bench.config import model_config as resolve_model  # `model_config` is pydantic's name for a model's settings
 from bench.results import skipped_row
 from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
@@ -105,7 +106,17 @@ class Expansion:
 
 # --- the file's schema: pydantic models built from RunConfig and GPTConfig (bench/typed_yaml.py: why) -------
 
-STRICT = ConfigDict(strict=True, extra="forbid", frozen=True)
+STRICT = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _in_bounds(name: str) -> AfterValidator:
+    """RunConfig's own rules for the field (bench.config.field_reason: range, finite), worded at the key path."""
+    def check(value):
+        reason = field_reason(name, value) or (fault_reason(value) if name == "fault" else None)
+        if reason:
+            raise mistake(reason)
+        return value
+    return AfterValidator(check)
 
 
 def _choice(name: str, choices: tuple) -> AfterValidator:
@@ -122,8 +133,10 @@ def _or_auto(value, handler):
         return value
     try:
         return handler(value)
-    except ValidationError:
-        raise mistake(f"dp must be an integer (or auto), got {value!r} ({kind(value)})") from None
+    except ValidationError as e:
+        ours = e.errors()[0]["type"] == "file"  # the bounds' own wording (dp must be a positive integer)
+        raise mistake(e.errors()[0]["ctx"]["problem"] if ours else
+                      f"dp must be an integer (or auto), got {value!r} ({kind(value)})") from None
 
 
 def _as_written(value, handler):
@@ -146,7 +159,7 @@ def _value_type(name: str):
     choices = RUN_FIELDS[name].metadata["choices"]
     if kind_ is tuple:
         return Annotated[Any, BeforeValidator(_key_values)]
-    value = Annotated[kind_, _choice(name, choices)] if choices else kind_
+    value = Annotated[kind_, _choice(name, choices)] if choices else Annotated[kind_, _in_bounds(name)]
     if kind_ is float:
         value = Annotated[value, WrapValidator(_as_written)]
     if name == "dp":
@@ -270,6 +283,9 @@ class SweepFile(BaseModel):
         values = value if isinstance(value, list) else [value]
         if not values or not all(type(v) is int and v >= 1 for v in values):
             raise mistake(f"must be a positive integer or a non-empty list of them, got {value!r}")
+        too_big = next((field_reason("world_size", v) for v in values if field_reason("world_size", v)), None)
+        if too_big:
+            raise mistake(too_big)
         return values
 
     @field_validator("base", mode="before")
@@ -328,8 +344,9 @@ class SweepFile(BaseModel):
     @field_validator("repeats", mode="before")
     @classmethod
     def _repeats(cls, value):
-        if type(value) is not int or value < 1:
-            raise mistake(f"must be a positive integer, got {value!r}")
+        reason = check_number("repeats", value, True, (1, MAX_REPEATS, False))
+        if reason:
+            raise mistake(reason.removeprefix("repeats "))  # the key path names it
         return value
 
     @field_validator("launcher", mode="before")
@@ -354,12 +371,20 @@ class SweepFile(BaseModel):
         for name in self.base.model_fields_set:
             if name in seen:
                 raise mistake(f"{name} is also an axis in {seen[name]}; remove one of them", "base", name)
+        combinations = (math.prod(len(getattr(self.grid, n)) for n in self.grid.model_fields_set)
+                        * math.prod(len(getattr(g, next(iter(g.model_fields_set)))) for g in self.zip)
+                        * self.repeats * len(self.world_size or [1]))
+        if combinations > MAX_RUNS:
+            raise mistake(f"{combinations:,} combinations (axes × repeats): more than {MAX_RUNS:,}, the most a "
+                          "sweep expands; split it", "grid")
         auto_in = "grid" if self.grid.dp == ["auto"] else "base" if self.base.dp == "auto" else None
         if auto_in and self.world_size is None and "world_size" not in self.grid.model_fields_set:
             raise mistake("dp: auto needs a world size: add a top-level `world_size: N`", auto_in, "dp")
         return self
 
 
+MAX_RUNS = 100_000
+MAX_REPEATS = 1_000
 MISSING_GRID = "missing: a sweep needs a grid with at least one axis, e.g. grid: {tp: [1, 2]}"
 
 
@@ -379,9 +404,7 @@ def _unknown_key(loc: tuple) -> str:
 
 def load_sweep(path: str | Path) -> SweepSpec:
     path = Path(path)
-    if not path.is_file():
-        raise SweepError(str(path), "", "no such sweep file")
-    return parse_sweep(load_yaml(path), str(path), default_name=path.stem)
+    return parse_sweep(load_yaml(path, "sweep file"), str(path), default_name=path.stem)
 
 
 def parse_sweep(data: Any, source: str = "<sweep>", default_name: str = "sweep") -> SweepSpec:

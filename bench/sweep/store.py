@@ -10,6 +10,11 @@ Layout of a sweep output folder OUT:
 
 A run is written once per attempt; a rerun (--retry-failed) replaces its file, so a sweep killed at
 any moment and resumed holds exactly one row per run.
+
+Every reader goes through `read_row`: a file that is not a result row (not JSON, not an object, a
+required key missing, a declared column holding what its type cannot) is a `CorruptRow` naming the
+file; `--resume` moves it aside (`<file>.corrupt`) and reruns its config. So the parquet writer only
+ever sees values its columns hold.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Status
+from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Kind, Status
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -34,7 +39,7 @@ class ResultStore:
         self.columns = dict(columns or {})
 
     def statuses(self) -> dict[str, str]:
-        """run_id → status of every row already stored."""
+        """run_id → status of every row already stored (a corrupt file raises CorruptRow: see set_aside)."""
         return {row["run_id"]: row["status"] for row in self.rows()}
 
     def write(self, row: dict) -> dict:
@@ -50,16 +55,29 @@ class ResultStore:
         os.replace(tmp, path)
         return row
 
+    def files(self) -> list[Path]:
+        return sorted(self.runs.glob("*.json")) if self.runs.is_dir() else []
+
     def rows(self) -> list[dict]:
-        if not self.runs.is_dir():
-            return []
+        """Every stored row; the first file that is not a result row raises CorruptRow naming it."""
         out = []
-        for path in sorted(self.runs.glob("*.json")):
-            try:
-                out.append(json.loads(path.read_text()))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not a result row ({e})") from None
+        for path in self.files():
+            row, reason = read_row(path)
+            if reason:
+                raise CorruptRow(path, reason)
+            out.append(row)
         return out
+
+    def set_aside(self) -> list[str]:
+        """Rename every corrupt row file to `<file>.corrupt` (kept for a look, no longer a row: its run
+        is rerun by --resume). Returns one line per file moved."""
+        lines = []
+        for path in self.files():
+            _, reason = read_row(path)
+            if reason:
+                os.replace(path, path.with_name(path.name + ".corrupt"))
+                lines.append(f"{CorruptRow(path, reason)}; moved aside to {path.name}.corrupt, its run is rerun")
+        return lines
 
     def dataframe(self) -> "pd.DataFrame":
         rows = self.rows()
@@ -75,6 +93,85 @@ class ResultStore:
         return df
 
 
+class CorruptRow(ValueError):
+    """`OUT/runs/<file>.json: not a result row: <why>`."""
+
+    def __init__(self, path, reason: str):
+        self.path, self.reason = Path(path), reason
+        super().__init__(f"{path}: not a result row: {reason}")
+
+
+REQUIRED = {"SCHEMA_VERSION": "int", "run_id": "str", "config_id": "str", "status": "str"}
+INT64 = 2**63
+
+
+def read_row(path: Path) -> tuple[dict | None, str | None]:
+    """(row, None), or (None, why the file is not a result row): unreadable, not JSON, not an object with
+    the required keys, a status outside Status, a declared column holding a value its type cannot."""
+    try:
+        row = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"unreadable ({type(e).__name__}: {e})"
+    except json.JSONDecodeError as e:
+        return None, f"not JSON ({e})"
+    except RecursionError:
+        return None, "not JSON (nested too deeply)"
+    reason = row_problem(row)
+    return (None, reason) if reason else (row, None)
+
+
+def row_problem(row) -> str | None:
+    """Why `row` (a parsed JSON value) is not a result row, or None. Types come from bench.results.COLUMNS."""
+    if not isinstance(row, dict):
+        return f"a JSON {_json_kind(row)}, not an object"
+    missing = [k for k in REQUIRED if k not in row]
+    if missing:
+        return f"no {', '.join(missing)} key"
+    for name, type_ in REQUIRED.items():  # exactly their type: they are keys and file names
+        if type(row[name]) is not {"str": str, "int": int}[type_]:
+            return f"{name} is {_short(row[name])}, not {_TYPE_WORDS[type_]}"
+    for name in (k for k in row if k in COLUMNS and k not in REQUIRED):
+        if not _holds(COLUMNS[name].type, row[name]):
+            return f"{name} is {_short(row[name])}, not {_TYPE_WORDS[COLUMNS[name].type]}"
+    if row["status"] not in set(Status):
+        return f"status is {_short(row['status'])}, not one of {', '.join(Status)}"
+    if row["status"] == Status.OK and not _number(row.get("step_time_s")):
+        return "status ok without a step_time_s"
+    if row["status"] != Status.OK and not isinstance(row.get("error"), str):
+        return f"status {row['status']} without an error saying why"
+    return None
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def _holds(type_: str, value) -> bool:
+    """Whether the column type can hold `value` (None: the column is empty in this row)."""
+    if value is None or type_ == "str":  # a str column holds any value as its text
+        return True
+    if type_ == "bool":
+        return isinstance(value, bool)
+    if not _number(value):
+        return False
+    if type_ == "int":  # NaN: empty; else a whole number inside int64
+        return value != value or (-INT64 <= value < INT64 and float(value).is_integer())
+    return not isinstance(value, int) or abs(value) < 1e308
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _json_kind(value) -> str:
+    return {type(None): "null", list: "list", str: "string", bool: "boolean", int: "number",
+            float: "number"}.get(type(value), type(value).__name__)
+
+
+def _short(value) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "…"
+
+
 def to_dataframe(rows: list[dict], source: str = "<rows>") -> "pd.DataFrame":
     """Rows → DataFrame with every column of every row (bench.results.ALWAYS), typed as declared, and checked.
     Columns only some rows have (backend extras, predictions) come after them; undeclared ones load as they are."""
@@ -84,8 +181,7 @@ def to_dataframe(rows: list[dict], source: str = "<rows>") -> "pd.DataFrame":
         if name not in df.columns:
             df[name] = None
     for name in df.columns:
-        if name in COLUMNS:
-            df[name] = _typed(df[name], COLUMNS[name].type)
+        df[name] = _typed(df[name], COLUMNS[name].type) if name in COLUMNS else _one_type(df[name])
     df = df[list(ALWAYS) + sorted(c for c in df.columns if c not in ALWAYS)]
     check(df, source)
     return df.sort_values(["status", "backend", "world_size", "tp", "pp", "dp", "run_id"],
@@ -104,13 +200,33 @@ def _typed(col: "pd.Series", type_: str) -> "pd.Series":
                    ).astype("object")
 
 
+def _one_type(col: "pd.Series") -> "pd.Series":
+    """An undeclared column whose values mix types (or hold lists, mappings) as text: parquet holds one
+    type per column."""
+    if col.dtype != object:
+        return col
+    values = [v for v in col if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    kinds = {type(v) for v in values}
+    too_big = kinds == {int} and any(not -INT64 <= v < INT64 for v in values)
+    if len(kinds) <= 1 and not kinds & {list, dict} and not too_big:
+        return col
+    return col.map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else
+                   (v if isinstance(v, str) else json.dumps(v, default=str))).astype("object")
+
+
+ADDED_LATER = tuple(name for name in ALWAYS if COLUMNS[name].kind in (Kind.EXACT, Kind.NOISY, Kind.ENVIRONMENT))
+"""Every-row columns a reader fills with None when an older table of the same schema version lacks them:
+adding a measurement or an environment field is no change of meaning (SCHEMA_VERSION's rule)."""
+
+
 def check(df: "pd.DataFrame", source: str) -> None:
     """The invariants every results table keeps; a ValueError names the first broken one."""
     if df.empty:
         raise ValueError(f"{source}: no result rows")
     if "SCHEMA_VERSION" not in df.columns:
         raise ValueError(f"{source}: not a parabench results table (no SCHEMA_VERSION column)")
-    versions = set(df["SCHEMA_VERSION"].dropna().astype(int))
+    import pandas as pd
+    versions = set(pd.to_numeric(df["SCHEMA_VERSION"], errors="coerce").dropna().astype(int))
     if versions != {SCHEMA_VERSION}:
         raise ValueError(f"{source}: results schema version {sorted(versions)}, but this parabench reads "
                          f"version {SCHEMA_VERSION}; rerun `bench results` on the run folder with a matching version")
@@ -136,7 +252,8 @@ def read_parquet(path: Path, what: str) -> "pd.DataFrame":
     try:
         return pd.read_parquet(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds for a foreign file
-        raise ValueError(f"{path}: not a readable {what} ({type(e).__name__}: {e})") from None
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        raise ValueError(f"{path}: not a readable {what} ({type(e).__name__}: {first})") from None
 
 
 def load_results(path: str | Path) -> "pd.DataFrame":
@@ -158,5 +275,25 @@ def load_results(path: str | Path) -> "pd.DataFrame":
         raise ValueError(f"{path}: no result rows")
     if "SCHEMA_VERSION" not in df.columns:
         raise ValueError(f"{path}: not a parabench results table (no SCHEMA_VERSION column)")
+    _check_types(df, path)
+    for name in ADDED_LATER:  # columns added within this schema version: a table made before lacks them
+        if name not in df.columns:
+            df[name] = None
     check(df, str(path))
     return df
+
+
+def _check_types(df: "pd.DataFrame", path) -> None:
+    """A parquet file's declared columns hold their declared type (a table written elsewhere may not)."""
+    import pandas as pd
+    for name in (c for c in df.columns if c in COLUMNS and COLUMNS[c].type != "str"):
+        col, type_ = df[name], COLUMNS[name].type
+        if type_ == "bool" and pd.api.types.is_bool_dtype(col):
+            fine = True
+        elif type_ == "bool" or col.dtype == object:  # bool with nulls reads back as objects: look at each
+            fine = all(pd.isna(v) or _holds(type_, v.item() if hasattr(v, "item") else v) for v in col)
+        else:
+            fine = pd.api.types.is_numeric_dtype(col) and not pd.api.types.is_bool_dtype(col)
+        if not fine:
+            raise ValueError(f"{path}: column {name} holds {col.dtype} values where {_TYPE_WORDS[type_]} belongs "
+                             "(not a table written by `bench results`)")
