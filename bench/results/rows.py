@@ -34,7 +34,8 @@ def _row(config: dict, status: Status | str, error: str | None, failed_rank: int
 
 
 HASHED_OFF_DEFAULT = {"profile": False}
-"""RunConfig fields added after the refused configs' ids were fixed → their default (left out of the hash)."""
+"""RunConfig fields added after the refused configs' ids were fixed → their default (left out of the hash,
+and filled in by readers of tables written before them: those runs ran at the default)."""
 
 
 def _refused_config(params: dict) -> dict:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Kind, Status
+from bench.results.rows import HASHED_OFF_DEFAULT
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -279,6 +280,9 @@ def load_results(path: str | Path) -> "pd.DataFrame":
     for name in ADDED_LATER:  # columns added within this schema version: a table made before lacks them
         if name not in df.columns:
             df[name] = None
+    for name, default in HASHED_OFF_DEFAULT.items():  # config fields added since: those runs had the default
+        if name not in df.columns:
+            df[name] = default
     check(df, str(path))
     return df
 
