@@ -20,7 +20,9 @@ def app():
 @click.option("--launcher", type=click.Choice(["local", "debug"]), default="local", show_default=True,
               help="local: world-size processes on this machine; debug: in this process (world 1)")
 @click.option("--json", "as_json", is_flag=True, help="print the result row as one JSON object")
-def run(launcher, as_json, **options):
+@click.option("--trace-dir", default="traces", show_default=True, type=click.Path(file_okay=False),
+              help="with --profile: the traces go to TRACE_DIR/<run_id>/")
+def run(launcher, as_json, trace_dir, **options):
     """Run one benchmark configuration and print its result row."""
     cfg = config_from_options(options)
     from bench.sweep.local import DebugLauncher, run_debug, run_local
@@ -28,13 +30,18 @@ def run(launcher, as_json, **options):
     reason = local_size_reason(cfg.world) if launcher == "local" else DebugLauncher().unsupported(cfg)
     if reason:  # before anything starts
         raise ConfigError(reason)
+    if cfg.profile:
+        from bench.metrics.profile import check_writable
+        check_writable(trace_dir)  # refused in one line before any rank starts
     click.echo(f"running {cfg.backend} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} ({cfg.world} ranks) "
                f"run_id={cfg.run_id}", err=True)
-    row = (run_debug if launcher == "debug" else run_local)(cfg)
+    row = (run_debug if launcher == "debug" else run_local)(cfg, trace_dir if cfg.profile else None)
     if as_json:
         echo_json(row)
     else:
         _print_row(row)
+    if row.get("trace_dir"):
+        click.echo(f"trace: {row['trace_dir']}/trace_rank*.json (Perfetto / chrome://tracing), ops_rank*.md", err=True)
     sys.exit(0 if row["status"] == "ok" else 1)
 
 

@@ -128,6 +128,8 @@ class RunConfig(BatchShape):
                             "grad_scale:K, lr_scale:K, sgd:LR at every optimizer step")
     timeout_s: float = _f(600.0, "wall-clock limit of the run in seconds", in_id=False,
                           bounds=(0, MAX_TIMEOUT_S, True))
+    profile: bool = _f(False, "trace one extra, untimed step per rank with torch.profiler (Chrome JSON + op table)",
+                       in_id=False)  # the profiled step is extra and untimed: the measurement, hence the id, is the same
 
     def __post_init__(self):
         _normalize(self)

@@ -75,10 +75,10 @@ def _rank_main(rank: int, world: int, tasks: mp.Queue, results: mp.Queue, log: s
             results.put((rank, "error", worker.format_exception(exc)))
 
 
-def _worker_row(cfg_dict: dict) -> dict | None:
+def _worker_row(cfg_dict: dict, trace_dir: str | None = None) -> dict | None:
     """One benchmark run on this rank (the row on rank 0)."""
     from bench import worker
-    return worker.run(RunConfig.from_dict(cfg_dict))
+    return worker.run(RunConfig.from_dict(cfg_dict), trace_dir)
 
 
 class RankPool:
@@ -88,12 +88,13 @@ class RankPool:
         self.log = str(log) if log else None
         self._procs: list[mp.Process] = []
 
-    def run(self, cfg: RunConfig) -> dict:
-        """Run `cfg` on the pool; always returns a row (status ok, failed, oom or timeout)."""
+    def run(self, cfg: RunConfig, trace_dir: str | None = None) -> dict:
+        """Run `cfg` on the pool; always returns a row (status ok, failed, oom or timeout). `trace_dir`:
+        where a profiled run (cfg.profile) writes its traces."""
         if cfg.world != self.world:
             raise ValueError(f"pool of {self.world} ranks cannot run world size {cfg.world}")
         try:
-            row = self.call(_worker_row, cfg.to_dict(), timeout_s=cfg.timeout_s)[0]
+            row = self.call(_worker_row, cfg.to_dict(), trace_dir, timeout_s=cfg.timeout_s)[0]
         except RankFailure as failure:
             return failure_row(cfg, failure.status, str(failure), failure.rank)
         if row is None:  # never hand a caller None: the row is the record of the run

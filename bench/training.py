@@ -19,13 +19,16 @@ from bench.metrics.memory import optimizer_tensors
 
 # One optimizer for every backend, so losses are comparable (torch AdamW; DeepSpeed takes it as client).
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# The fused implementation (one kernel over all parameters, CPU and CUDA) is what the frameworks ship
+# as their default Adam (DeepSpeed's FusedAdam, Megatron's apex/TE FusedAdam); torch's default for-loop
+# AdamW costs ~80 ms per step for the 5 M-parameter `small` model on one CPU core, fused ~13 ms.
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 """One step's inputs on this rank: micro_batches × (inputs, targets), each (micro_batch, seq) int64."""
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, **ADAMW)
+    return torch.optim.AdamW(params, **ADAMW, fused=True)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Phases: warm-up steps → timed steps (step timer + peak-memory probe; the batch is built before the
 timer starts and the loss read after it stops) → the trainer's metered step, if it has a meter (the
-pipeline bubble) → one step under the communication and host-sync counters. The instrumented steps
+pipeline bubble) → one step under the communication and host-sync counters → with `profile`, one step
+under torch.profiler (bench.metrics.profile: a trace and an op table per rank). The instrumented steps
 slow what they measure, so they are never timed; what they count per step is deterministic.
 """
 from __future__ import annotations
@@ -29,8 +30,9 @@ from bench.results import format_exception, measured_row as make_row  # noqa: F4
 from bench.training import ADAMW, RunContext
 
 
-def run(cfg: RunConfig) -> dict | None:
-    """Run `cfg` on this rank (torch.distributed env already set). Returns the row on rank 0."""
+def run(cfg: RunConfig, trace_dir: str | None = None) -> dict | None:
+    """Run `cfg` on this rank (torch.distributed env already set). Returns the row on rank 0.
+    `trace_dir`: where a profiled run (cfg.profile) writes its traces (bench.metrics.profile)."""
     device = resolve_device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # events, streams and allocator statistics default to it
@@ -38,10 +40,13 @@ def run(cfg: RunConfig) -> dict | None:
     init_from_env(device, cfg.timeout_s)
     try:
         groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
-        measured = _measure(cfg, RunContext(cfg, groups, device))
+        measured = _measure(cfg, RunContext(cfg, groups, device), trace_dir if cfg.profile else None)
         ranks = [None] * groups.layout.world_size
         dist.all_gather_object(ranks, measured)
-        return make_row(cfg, ranks, device) if groups.rank == 0 else None
+        if groups.rank != 0:
+            return None
+        row = make_row(cfg, ranks, device)
+        return {**row, "trace_dir": trace_dir} if cfg.profile and trace_dir else row
     finally:
         shutdown()
 
@@ -126,16 +131,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _measure(cfg: RunConfig, ctx: RunContext) -> dict:
+def _measure(cfg: RunConfig, ctx: RunContext, trace_dir: str | None = None) -> dict:
     """This rank's measurements. Each step's batch is built before its timer starts, only `train` is
     timed, and the loss is read (the step's one host sync) after the timer stops. Instruments that
     would disturb a timed step run on extra, untimed steps: the trainer's own meter (e.g. the pipeline
     bubble), then the communication and host-sync counters."""
     with optimizer_faults(cfg.fault):
-        return _measure_trainer(cfg, ctx, get_backend(cfg.backend).build(cfg, ctx))
+        return _measure_trainer(cfg, ctx, get_backend(cfg.backend).build(cfg, ctx), trace_dir)
 
 
-def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer) -> dict:
+def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer, trace_dir: str | None = None) -> dict:
     train = _with_fault(trainer.train, cfg, ctx.groups.rank) if cfg.fault != "none" else trainer.train
     try:
         losses, warmup_s = _warm_up(train, trainer, cfg, ctx.device)
@@ -158,6 +163,11 @@ def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer) -> dict:
         extras = trainer.extras()
         if cfg.compile:
             extras["compile_s"] = compile_seconds(warmup_s, timer.times)
+        if trace_dir:  # last: the profiler's start-up and bookkeeping touch no other step
+            from bench.metrics.profile import StepProfile
+            batch = trainer.batch(extra)
+            with StepProfile(trace_dir, ctx.groups.rank, ctx.device):
+                train(batch)
         return {"rank": ctx.groups.rank, "losses": losses, "times": timer.times, "peak_mem": mem.peak_bytes,
                 "peak_mem_reserved_bytes": mem.reserved_peak_bytes, "alloc_retries": mem.alloc_retries,
                 "host_syncs": syncs.total, "cuda_syncs": syncs.cuda_syncs,

@@ -105,6 +105,11 @@ class Pipeline:
         seq = run_cfg.seq // (groups.size("tp") if run_cfg.sequence_parallel else 1)
         self.act_shape = (run_cfg.micro_batch, seq, run_cfg.model_config.hidden)
         self.act_dtype = autocast_dtype or torch.float32
+        # Post the next action's receive before this action's compute. Gloo matches P2P by tag and runs
+        # it asynchronously, so posting early is safe; NCCL matches by posting order per communicator
+        # and runs a pair's ops on one stream, where a receive posted ahead of a send the peer waits for
+        # could deadlock (interleaved pp 2 sends and receives activations between the same two ranks).
+        self.post_ahead = torch.device(device).type != "cuda"
         # test-only (fault stage_sleep:MS): every compute section also sleeps, so stage compute dominates
         self.stage_sleep_s = (parse_fault(run_cfg.fault).get("stage_sleep") or 0.0) / 1e3
         self.loss_scale = 1.0  # fp16-mixed: the trainer's dynamic loss scale (bench.loss_scale)
@@ -129,22 +134,33 @@ class Pipeline:
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """One step over `batches` (on the device); the last stage's micro-batch losses, each already
         divided by the micro-batch count, as device tensors (never read here: no host sync)."""
-        saved, losses = {}, []
+        saved, losses, posted = {}, [], {}
         with self.meter.step():
-            for kind, chunk, mb in self.order:
+            for i, (kind, chunk, mb) in enumerate(self.order):
+                for j in (i, i + 1) if self.post_ahead else (i,):  # the next one's: in flight during compute
+                    if j < len(self.order) and j not in posted:
+                        posted[j] = self._post_recv(*self.order[j])
+                received = posted.pop(i)
                 if kind == "F":
-                    saved[chunk, mb] = self._forward(chunk, mb, batches, losses)
+                    saved[chunk, mb] = self._forward(chunk, mb, batches, losses, received)
                 else:
-                    self._backward(chunk, saved.pop((chunk, mb)))
+                    self._backward(chunk, saved.pop((chunk, mb)), received)
             self.comm.wait_sends()
         return losses
 
-    def _forward(self, chunk: int, mb: int, batches, losses: list[torch.Tensor]):
+    def _post_recv(self, kind: str, chunk: int, mb: int):
+        """Post the receive `action` needs (None if it needs none). Both sides post in schedule order,
+        so per tag the messages still match in micro-batch order."""
         sid = self._sid(chunk)
-        if sid == 0:
-            x = batches[mb][0]
-        else:
-            x = self.comm.recv_forward(self.act_shape, self.act_dtype, self.device, chunk).requires_grad_()
+        if kind == "F" and sid != 0:
+            return self.comm.post_forward(self.act_shape, self.act_dtype, self.device, chunk)
+        if kind == "B" and sid != self.last_sid:
+            return self.comm.post_backward(self.act_shape, self.act_dtype, self.device, chunk)
+        return None
+
+    def _forward(self, chunk: int, mb: int, batches, losses: list[torch.Tensor], received):
+        sid = self._sid(chunk)
+        x = batches[mb][0] if sid == 0 else received.wait().requires_grad_()
         with self.meter.compute(), torch.autocast(self.device.type, dtype=self.autocast_dtype,
                                                   enabled=self.autocast_dtype is not None):
             out = self.chunks[chunk](x)
@@ -160,14 +176,12 @@ class Pipeline:
             self.comm.send_forward(out, self._next_chunk(chunk))
         return x, out
 
-    def _backward(self, chunk: int, saved) -> None:
+    def _backward(self, chunk: int, saved, received) -> None:
         x, out = saved
         sid = self._sid(chunk)
-        grad = None
-        if sid != self.last_sid:
-            grad = self.comm.recv_backward(out.shape, out.dtype, self.device, chunk)
-        elif self.loss_scale != 1.0:
-            out = out * self.loss_scale  # backward of the scaled loss: every gradient × scale
+        grad = None if received is None else received.wait()  # (b, s[/tp], h) like `out`
+        if grad is None and self.loss_scale != 1.0:  # the last stage: backward of the scaled loss
+            out = out * self.loss_scale  # every gradient × scale
         with self.meter.compute():
             torch.autograd.backward(out, grad)
             self._test_delay()

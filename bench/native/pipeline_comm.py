@@ -1,7 +1,10 @@
 """Pipeline communication: activations forward and gradients backward between neighbouring stages.
 
-Sends are asynchronous (isend, waited at the end of the schedule), receives block: a stage never
-waits to send, only for its input, so any schedule whose dependencies form a DAG cannot deadlock.
+Sends are asynchronous (isend, waited at the end of the schedule); receives are posted ahead
+(`post_forward` / `post_backward`: the executor posts the next action's receive before the current
+action's compute, so the transfer lands while this rank computes) and waited for only when the
+action needs its input. A stage never waits to send, only for its input, so any schedule whose
+dependencies form a DAG cannot deadlock.
 Messages are matched by tag: an activation entering model chunk c has tag 2c, a gradient entering
 chunk c has tag 2c + 1; within a tag both sides walk the micro-batches in the same order.
 NCCL ignores tags and matches P2P in posting order per communicator, so on CUDA gradients travel
@@ -38,28 +41,46 @@ class PipeComm:
         x = x.detach().contiguous()
         self._sends.append((dist.isend(x, dst=dst, group=self._group(tag), tag=tag), x))  # keep x alive
 
-    def _recv(self, shape, dtype, device, src: int, tag: int) -> torch.Tensor:
+    def _recv(self, shape, dtype, device, src: int, tag: int) -> Posted:
         out = torch.empty(shape, dtype=dtype, device=device)
-        dist.irecv(out, src=src, group=self._group(tag), tag=tag).wait()
-        return out
+        return Posted(dist.irecv(out, src=src, group=self._group(tag), tag=tag), out)
+
+    def post_forward(self, shape, dtype, device, chunk: int) -> Posted:
+        """Post the receive of (b, s[/tp], h) activations ← the previous stage, into chunk `chunk`."""
+        return self._recv(shape, dtype, device, self.prev, 2 * chunk)
+
+    def post_backward(self, shape, dtype, device, chunk: int) -> Posted:
+        """Post the receive of (b, s[/tp], h) output gradients ← the next stage, into chunk `chunk`."""
+        return self._recv(shape, dtype, device, self.next, 2 * chunk + 1)
 
     def send_forward(self, act: torch.Tensor, to_chunk: int) -> None:
         """(b, s[/tp], h) activations → the next stage's chunk `to_chunk`."""
         self._send(act, self.next, 2 * to_chunk)
 
     def recv_forward(self, shape, dtype, device, chunk: int) -> torch.Tensor:
-        """(b, s[/tp], h) activations ← the previous stage, into this rank's chunk `chunk`."""
-        return self._recv(shape, dtype, device, self.prev, 2 * chunk)
+        """(b, s[/tp], h) activations ← the previous stage, into this rank's chunk `chunk` (blocking)."""
+        return self.post_forward(shape, dtype, device, chunk).wait()
 
     def send_backward(self, grad: torch.Tensor, to_chunk: int) -> None:
         """(b, s[/tp], h) input gradients → the previous stage's chunk `to_chunk`."""
         self._send(grad, self.prev, 2 * to_chunk + 1)
 
     def recv_backward(self, shape, dtype, device, chunk: int) -> torch.Tensor:
-        """(b, s[/tp], h) output gradients ← the next stage, into this rank's chunk `chunk`."""
-        return self._recv(shape, dtype, device, self.next, 2 * chunk + 1)
+        """(b, s[/tp], h) output gradients ← the next stage, into this rank's chunk `chunk` (blocking)."""
+        return self.post_backward(shape, dtype, device, chunk).wait()
 
     def wait_sends(self) -> None:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
+
+
+class Posted:
+    """A receive in flight: `wait()` returns its tensor once it has arrived."""
+
+    def __init__(self, work, tensor: torch.Tensor):
+        self.work, self.tensor = work, tensor
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor

@@ -53,6 +53,13 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _owned(x: torch.Tensor) -> bool:
+    """True when `x` may be reduced in place: contiguous and no view of another tensor. The tensors
+    reduced here are fresh matmul outputs (forward) and fresh input gradients (backward) that nothing
+    else reads, so reducing them in place, as Megatron does, saves an activation-sized copy each."""
+    return x.is_contiguous() and x._base is None
+
+
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -61,13 +68,20 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None  # (B, T, h) over tp
+        # The region's input feeds only column-parallel linears: its gradient is a fresh matmul output,
+        # reshaped to (B, T, h) (a view of a buffer of the same size that nothing else reads).
+        fresh = grad.is_contiguous() and (grad._base is None or grad._base.numel() == grad.numel())
+        grad = grad if fresh else grad.clone(memory_format=torch.contiguous_format)
+        return all_reduce(grad, ctx.group), None  # (B, T, h) over tp, in place
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)  # (B, T, h) over tp
+        if _owned(x):
+            ctx.mark_dirty(x)  # autograd checks that no saved tensor was this one (version counter)
+            return all_reduce(x, group)  # (B, T, h) over tp, in place
+        return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -40,6 +40,8 @@ class Judgement:
     change: float | None  # (current − base) / |base|
     noise: float | None  # larger max − min spread of the repeats, in the metric's unit
     limit: float | None  # how much worse the current may be before it regresses
+    base_range: tuple[float, float] | None = None  # (min, max) over the baseline's repeats (noisy, > 1 repeat)
+    current_range: tuple[float, float] | None = None  # (min, max) over the current repeats
 
 
 def judge(base, current, *, exact: bool, higher_is_better: bool = False,
@@ -59,7 +61,7 @@ def judge(base, current, *, exact: bool, higher_is_better: bool = False,
     limit = max(threshold * abs(b), noise, floor)
     worse_by = (b - c) if higher_is_better else (c - b)  # > 0: current is worse
     verdict = "regressed" if worse_by > limit else "improved" if -worse_by > limit else "ok"
-    return Judgement(verdict, b, c, change, noise, limit)
+    return Judgement(verdict, b, c, change, noise, limit, _range(base), _range(current))
 
 
 @dataclass
@@ -179,6 +181,11 @@ def _finite(value) -> bool:
 
 def _spread(values: list[float]) -> float:
     return max(values) - min(values) if len(values) > 1 else 0.0
+
+
+def _range(values: list[float]) -> tuple[float, float] | None:
+    """(min, max) of the repeats: the spread `compare` shows beside the median (None for one run)."""
+    return (min(values), max(values)) if len(values) > 1 else None
 
 
 def _median(values: list[float]) -> float | None:

@@ -29,6 +29,15 @@ def fmt_value(metric: str, value) -> str:
     return f"{value:.4g}"
 
 
+def fmt_spread(metric: str, value, spread) -> str:
+    """The median, and [min–max] over the repeats when there are several."""
+    text = fmt_value(metric, value)
+    if not spread:
+        return text
+    lo, hi = (fmt_value(metric, v).split(" ")[0] for v in spread)  # the unit once, after the median
+    return f"{text} [{lo}–{hi}]"
+
+
 def fmt_change(row: dict) -> str:
     change = row.get("change")
     if change is None or (isinstance(change, float) and math.isnan(change)):
@@ -67,12 +76,12 @@ def print_terminal(comparison: Comparison) -> None:
     for note in comparison.notes:
         console.print(f"[yellow]note:[/] {note}")
     table = Table(title="bench compare", show_lines=False, header_style="bold")
-    for col in ("config", "metric", "baseline", "current", "change", "allowed", "verdict"):
+    for col in ("config", "metric", "baseline [min–max]", "current [min–max]", "change", "allowed", "verdict"):
         table.add_column(col, no_wrap=True)
     for r in shown_rows(comparison):
         verdict = r["verdict"] + ("" if r["gated"] or r["verdict"] in ("ok", "equal") else " (not gated)")
-        table.add_row(r["label"], r["metric"], fmt_value(r["metric"], r["base"]),
-                      fmt_value(r["metric"], r["current"]), fmt_change(r), fmt_noise(r),
+        table.add_row(r["label"], r["metric"], fmt_spread(r["metric"], r["base"], r.get("base_range")),
+                      fmt_spread(r["metric"], r["current"], r.get("current_range")), fmt_change(r), fmt_noise(r),
                       f"[{COLOURS.get(r['verdict'], '')}]{verdict}[/]" if COLOURS.get(r["verdict"]) else verdict)
     if table.row_count:
         console.print(table)
@@ -103,8 +112,8 @@ def to_markdown(comparison: Comparison) -> str:
 def _md(rows: list[dict]) -> str:
     import pandas as pd
     return markdown_table(pd.DataFrame([{
-        "config": r["label"], "metric": r["metric"], "baseline": fmt_value(r["metric"], r["base"]),
-        "current": fmt_value(r["metric"], r["current"]), "change": fmt_change(r), "verdict": r["verdict"],
+        "config": r["label"], "metric": r["metric"], "baseline": fmt_spread(r["metric"], r["base"], r.get("base_range")),
+        "current": fmt_spread(r["metric"], r["current"], r.get("current_range")), "change": fmt_change(r), "verdict": r["verdict"],
         **({"gated": "yes" if r["gated"] else "no"})} for r in rows]))
 
 

@@ -41,6 +41,11 @@ def build_report(results, out_dir) -> Path:
     figures.theme()
     panels = [_make_figure(df, name, out) for name in figures.FIGURES]
     sections = _tables(df)
+    profiled = _safe(lambda d: tables.traces(d, out), df)
+    if not profiled.empty:
+        sections.insert(-1, ("Profiled runs", profiled, "One extra, untimed step per rank under torch.profiler "
+                             "(Chrome / Perfetto JSON: open in https://ui.perfetto.dev); the op table lists the "
+                             "top ops by self time and the rank's compute / communication / idle split."))
     summary = tables.summary(df)
     (out / "report.md").write_text(_markdown(summary, panels, sections))
     index = out / "index.html"
@@ -151,9 +156,15 @@ def _html_table(table: pd.DataFrame) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns)
     rows = []
     for values in table.itertuples(index=False):
-        cells = "".join(f'<td class="{"num" if _numeric(v) else ""}">{html.escape(str(v))}</td>' for v in values)
+        cells = "".join(f'<td class="{"num" if _numeric(v) else ""}">{_html_cell(v)}</td>' for v in values)
         rows.append(f"<tr>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _html_cell(value) -> str:
+    if isinstance(value, tables.Link):
+        return f'<a href="{html.escape(value.href)}">{html.escape(str(value))}</a>'
+    return html.escape(str(value))
 
 
 def _numeric(value) -> bool:
@@ -185,7 +196,8 @@ def _markdown(summary: dict, panels: list[dict], sections) -> str:
 
 def markdown_table(table: pd.DataFrame) -> str:
     def cell(v) -> str:
-        return str(v).replace("|", "\\|").replace("\n", " ")
+        text = str(v).replace("|", "\\|").replace("\n", " ")
+        return f"[{text}]({v.href})" if isinstance(v, tables.Link) else text
     head = "| " + " | ".join(cell(c) for c in table.columns) + " |"
     rule = "|" + "|".join("---" for _ in table.columns) + "|"
     body = ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]

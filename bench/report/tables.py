@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
@@ -31,6 +34,7 @@ def top_configs(df: pd.DataFrame, n: int = 10) -> pd.DataFrame:
         return pd.DataFrame()
     key = "config_id"
     spread = ok.groupby(key)["tokens_per_s"].agg(lambda s: s.max() - s.min())
+    steps = ok.groupby(key)["step_time_s"]
     metrics = [c for c in ("tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes", "persistent_bytes") if c in ok]
     cfg = per_config(ok, metrics).sort_values("tokens_per_s", ascending=False).head(n)
     return pd.DataFrame({
@@ -40,12 +44,58 @@ def top_configs(df: pd.DataFrame, n: int = 10) -> pd.DataFrame:
         "tokens/s": [f"{v:,.0f}" + (f" ± {spread[k] / 2:,.0f}" if r > 1 else "")
                      for v, k, r in zip(cfg["tokens_per_s"], cfg[key], cfg["repeats"])],
         "step (ms)": [f"{v * 1e3:.1f}" for v in cfg["step_time_s"]],
+        "step ms: median [min–max]": [_median_range(steps.get_group(k)) for k in cfg[key]],
         "MFU": [f"{v:.2%}" if present(v) else "–" for v in cfg.get("mfu", [math.nan] * len(cfg))],
         "state + step peak (MiB/rank)": [_mib(a, b) for a, b in zip(cfg.get("persistent_bytes", [math.nan] * len(cfg)),
                                                                      cfg.get("peak_mem_bytes", [math.nan] * len(cfg)))],
         "repeats": cfg["repeats"].astype(int).values,
         "run_id": cfg["run_id"].values,
     })
+
+
+def _median_range(seconds: pd.Series) -> str:
+    """Median step time over a config's repeats and, with several, their range (the drift a reader must allow)."""
+    ms = seconds.astype(float) * 1e3
+    return f"{ms.median():.1f}" + (f" [{ms.min():.1f}–{ms.max():.1f}]" if len(ms) > 1 else "")
+
+
+def traces(df: pd.DataFrame, report_dir) -> pd.DataFrame:
+    """Profiled runs (`profile: true`): a link to each run's trace folder and its rank-0 time split."""
+    if "trace_dir" not in df:
+        return pd.DataFrame()
+    runs = add_labels(df[df["trace_dir"].map(present)])
+    rows = []
+    for _, run in runs.iterrows():
+        folder = Path(str(run["trace_dir"]))
+        rows.append({"config": run["label"], "run_id": run["run_id"],
+                     "trace": Link(f"{run['run_id']}/trace_rank0.json", _relative(folder / "trace_rank0.json", report_dir)),
+                     "op table": Link("ops_rank0.md", _relative(folder / "ops_rank0.md", report_dir)),
+                     "rank 0: compute / communication / idle": _split(folder / "ops_rank0.md")})
+    return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A table cell that renders as a link (HTML and Markdown); not a str, which pandas would store as text."""
+    text: str
+    href: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _relative(path: Path, report_dir) -> str:
+    return os.path.relpath(path, Path(report_dir).resolve()) if path.is_absolute() else str(path)
+
+
+def _split(ops_table: Path) -> str:
+    """'62 % / 35 % / 3 %' from the op table's first rows (– when it is not there)."""
+    try:
+        lines = ops_table.read_text().splitlines()
+    except OSError:
+        return "–"
+    shares = [ln.split("|")[3].strip() for ln in lines if ln.startswith(("| compute", "| communication", "| idle"))]
+    return " / ".join(shares) if len(shares) == 3 else "–"
 
 
 def loss_parity(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:

@@ -33,10 +33,10 @@ def _row(config: dict, status: Status | str, error: str | None, failed_rank: int
             "failed_rank": failed_rank, **environment()}
 
 
-LATER_FIELDS = ("compile",)
-"""RunConfig fields added after schema 1: at their default they stay out of a refused config's id, so the
-skipped rows of older sweeps keep their ids (as RunConfig.canonical leaves out every default)."""
-_DEFAULTS = {f.name: (f.default_factory() if f.default is MISSING else f.default) for f in fields(RunConfig)}
+HASHED_OFF_DEFAULT = {"compile": False, "profile": False}
+"""RunConfig fields added after the refused configs' ids were fixed → their default (left out of the hash
+while at it, so the skipped rows of older sweeps keep their ids, as RunConfig.canonical leaves out every
+default)."""
 
 
 def _refused_config(params: dict) -> dict:
@@ -50,8 +50,9 @@ def _refused_config(params: dict) -> dict:
     if row.get("dp") == "auto":
         row["dp"] = None  # unresolved: the world size does not divide
     row = {k: (json.dumps(list(v)) if isinstance(v, (tuple, list)) else v) for k, v in row.items()}
-    # the whole row: a refused config has no canonical form; a field added later leaves it at its default
-    digest = _digest({k: v for k, v in row.items() if not (k in LATER_FIELDS and v == _DEFAULTS[k])})
+    # the whole row (a refused config has no canonical form), less fields added since ids were fixed
+    # while they are at their default, so that adding one keeps every existing id
+    digest = _digest({k: v for k, v in row.items() if not (k in HASHED_OFF_DEFAULT and v == HASHED_OFF_DEFAULT[k])})
     return {**row, "run_id": digest, "config_id": digest, "global_batch": None}
 
 

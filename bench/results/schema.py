@@ -300,6 +300,9 @@ DECLARED: list[Column | Family] = [
     *[Family(f"pred_{f.template}", f.values, replace(f.column, kind=Kind.PREDICTED, ranks="-", always=False,
                                                      meaning="predicted " + f.column.meaning))
       for f in _COMM],
+    Column("trace_dir", "str", "profiled runs: folder of the extra, untimed profiled step's torch.profiler traces "
+           "(trace_rank<r>.json, Chrome/Perfetto) and per-op tables (ops_rank<r>.md)", Kind.ENVIRONMENT, ranks="rank0",
+           always=False),
     Column("pred_error", "str", "why the row has no prediction", Kind.PREDICTED, always=False),
     *_PRED_TIME,
 ]

@@ -19,17 +19,26 @@ __all__ = ["DebugLauncher", "LocalLauncher", "RankPool", "free_port", "run_debug
 class LocalLauncher(Launcher):
     """Each run as its world-size processes on this machine, one run at a time. A warm RankPool per
     world size serves every run of that size (fresh port and process groups per run); a failed or
-    hung run gets its processes killed and the pool restarts."""
+    hung run gets its processes killed and the pool restarts.
+
+    Order: with `repeat_order` interleaved, round by round (every config's repeat k before any repeat
+    k+1), world sizes grouped within a round; a pool stays alive, idle, until the last run of its
+    world size, so interleaving several world sizes restarts no process (an idle rank blocks on its
+    queue: it costs memory, not CPU). Blocked: by world size, one pool alive at a time."""
 
     kind = "local"
 
-    def __init__(self, log: Path | None = None):
+    def __init__(self, log: Path | None = None, repeat_order: str = "interleaved", traces: Path | None = None):
         self.log = log
         """Where the ranks' stdout/stderr go (the terminal shows the sweep's progress)."""
+        self.repeat_order = repeat_order
+        self.traces = traces
+        """Folder of the profiled runs' traces (one sub-folder per run_id), when a run asks for one."""
         self.pools: dict[int, RankPool] = {}
 
     def launch(self, runs: list[RunConfig], started: Callable, finished: Callable) -> None:
-        runs = sorted(runs, key=lambda c: c.world)  # stable: one pool alive at a time, file order within
+        interleaved = self.repeat_order == "interleaved"
+        runs = sorted(runs, key=lambda c: (c.repeat, c.world) if interleaved else (c.world,))  # stable
         left = {w: sum(c.world == w for c in runs) for w in {c.world for c in runs}}
         for cfg in runs:
             if cfg.world not in self.pools:
@@ -39,7 +48,7 @@ class LocalLauncher(Launcher):
             pool = self.pools[cfg.world]
             started(cfg)
             t0 = time.monotonic()
-            row = pool.run(cfg)
+            row = pool.run(cfg, trace_dir(self.traces, cfg))
             finished(cfg, {**row, "wall_s": time.monotonic() - t0})
             left[cfg.world] -= 1
             if not left[cfg.world]:
@@ -56,6 +65,9 @@ class DebugLauncher(Launcher):
 
     kind = "debug"
 
+    def __init__(self, traces: Path | None = None):
+        self.traces = traces
+
     def unsupported(self, cfg: RunConfig) -> str | None:
         return None if cfg.world == 1 else f"the debug launcher runs world size 1 only, not {cfg.world}"
 
@@ -63,17 +75,22 @@ class DebugLauncher(Launcher):
         for cfg in runs:
             started(cfg)
             t0 = time.monotonic()
-            row = run_debug(cfg)
+            row = run_debug(cfg, self.traces)
             finished(cfg, {**row, "wall_s": time.monotonic() - t0})
 
 
-def run_local(cfg: RunConfig) -> dict:
+def trace_dir(traces: Path | None, cfg: RunConfig) -> str | None:
+    """Where a profiled run writes its traces: TRACES/<run_id> (None when the run is not profiled)."""
+    return str(Path(traces, cfg.run_id).resolve()) if cfg.profile and traces is not None else None
+
+
+def run_local(cfg: RunConfig, traces: Path | None = None) -> dict:
     """One run in fresh processes."""
     with RankPool(cfg.world) as pool:
-        return pool.run(cfg)
+        return pool.run(cfg, trace_dir(traces, cfg))
 
 
-def run_debug(cfg: RunConfig) -> dict:
+def run_debug(cfg: RunConfig, traces: Path | None = None) -> dict:
     """In this process, world size 1: for debuggers and profilers."""
     if cfg.world != 1:
         raise ValueError(f"the debug launcher runs world size 1 only, not {cfg.world}")
@@ -81,7 +98,7 @@ def run_debug(cfg: RunConfig) -> dict:
                       MASTER_PORT=str(free_port()))
     from bench import worker
     try:
-        return worker.run(cfg)
+        return worker.run(cfg, trace_dir(traces, cfg))
     except Exception as exc:  # noqa: BLE001
         text = worker.format_exception(exc)
         return failure_row(cfg, classify_error(text), f"rank 0 failed:\n{text}", 0)

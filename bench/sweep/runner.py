@@ -24,7 +24,9 @@ def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: 
     kind = kind or spec.launcher.kind
     if kind in ("local", "debug"):
         from bench.sweep.local import DebugLauncher, LocalLauncher
-        return LocalLauncher(log=out / "ranks.log") if kind == "local" else DebugLauncher()
+        traces = out / "runs"  # a profiled run's traces: OUT/runs/<run_id>/ beside its row OUT/runs/<run_id>.json
+        return (LocalLauncher(log=out / "ranks.log", repeat_order=spec.repeat_order, traces=traces)
+                if kind == "local" else DebugLauncher(traces=traces))
     from bench.sweep.slurm import SlurmLauncher, load_profile
     options = spec.launcher.options if spec.launcher.kind == "slurm" else {}
     prof = load_profile(profile or spec.launcher.profile or "local", options, source=spec.source,
@@ -109,6 +111,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     out = Path(out)
     launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
     exp = plan(spec, launch)
+    check_profile(exp.runs, launch, out)
     store = ResultStore(out, sweep_columns(spec, launch.kind))
     held = store.files()
     if held and not (resume or retry_failed):
@@ -156,6 +159,17 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
     store.write_parquet()
     outcome.wall_s = time.monotonic() - t_start
     return outcome
+
+
+def check_profile(runs: list[RunConfig], launch: Launcher, out: Path) -> None:
+    """Refuse, before anything starts, a profiled run whose traces could not be written beside its row."""
+    if not any(cfg.profile for cfg in runs):
+        return
+    if launch.kind not in ("local", "debug"):
+        raise ValueError(f"profile: the {launch.kind} launcher's tasks may run on hosts without this file system; "
+                         "profile with --launcher local or debug")
+    from bench.metrics.profile import check_writable
+    check_writable(out / "runs")
 
 
 def describe(cfg: RunConfig | dict) -> str:

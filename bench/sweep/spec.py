@@ -18,6 +18,8 @@ A sweep file (loaded with `yaml.safe_load`; every key is optional except `grid`)
     exclude:                         # a run matching every key of one rule is left out
       - {backend: fsdp, pp: 2}
     repeats: 1                       # runs per config (noise); the `repeat` field tells them apart
+    repeat_order: interleaved        # interleaved: repeat k of every config before repeat k+1 of any
+                                     # (A B C A B C: drift hits every backend alike); blocked: A A B B C C
     launcher: local                  # local | debug | slurm | {kind: slurm, profile: local, nodes: 2, ...}
     report: true                     # write the HTML/Markdown report to OUT/report/ after the sweep
 
@@ -50,7 +52,8 @@ from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, su
 from models.config import PRESETS, GPTConfig
 
 TOP_KEYS = ("name", "model", "world_size", "base", "grid", "zip", "backends", "deepspeed", "exclude", "repeats",
-            "launcher", "report")
+            "repeat_order", "launcher", "report")
+REPEAT_ORDERS = ("interleaved", "blocked")
 LAUNCHERS = ("local", "slurm", "debug")
 RUN_FIELDS = {f.name: f for f in fields(RunConfig)}
 # Set by the sweep itself, not by the file: `repeats` makes the repeat index; `model` is top-level or an axis.
@@ -88,6 +91,8 @@ class SweepSpec:
     repeats: int
     launcher: LauncherSpec
     report: bool = False
+    repeat_order: str = "interleaved"
+    """interleaved: every config's repeat k runs before any repeat k+1; blocked: a config's repeats back to back."""
 
 
 @dataclass
@@ -252,6 +257,7 @@ class SweepFile(BaseModel):
     deepspeed: dict = {}
     exclude: list[RunAxes] = []
     repeats: int = 1
+    repeat_order: Annotated[str, _choice("repeat_order", REPEAT_ORDERS)] = "interleaved"
     launcher: LauncherBlock = LauncherBlock()
     report: bool = False
 
@@ -424,7 +430,7 @@ def parse_sweep(data: Any, source: str = "<sweep>", default_name: str = "sweep")
         ds_set=tuple(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in _flatten(file.deepspeed)),
         exclude=tuple({k: {_hashable(x) for x in v} if v != "auto" else {"auto"} for k, v in _axes(rule, raw).items()}
                       for rule, raw in zip(file.exclude, data.get("exclude", []))),
-        repeats=file.repeats,
+        repeats=file.repeats, repeat_order=file.repeat_order,
         launcher=LauncherSpec(kind=launcher.kind, profile=(launcher.profile or "local") if launcher.kind == "slurm"
                               else None, options=options),
         report=file.report)
@@ -464,6 +470,8 @@ def expand(spec: SweepSpec) -> Expansion:
                     continue
                 seen.add(key)
                 (out.runs.append if isinstance(item, RunConfig) else out.skipped.append)(item)
+    if spec.repeat_order == "interleaved":
+        out.runs.sort(key=lambda cfg: cfg.repeat)  # stable: file order within a repeat
     return out
 
 
