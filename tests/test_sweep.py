@@ -73,6 +73,20 @@ def test_model_preset_with_overrides_and_world_size_axis():
     assert all(c.model_config.layers == 8 for c in exp.runs)
 
 
+def test_a_list_in_the_model_block_is_an_axis_and_misfits_are_skipped_rows():
+    exp = expand(_spec(model={"preset": "tiny", "layers": 2, "kv_heads": [1, 2, 3, 4]}, world_size=2,
+                       grid={"tp": [2], "dp": "auto"}))
+    assert sorted(c.model_overrides for c in exp.runs) == [("layers=2", "kv_heads=2"), ("layers=2", "kv_heads=4")]
+    assert all(c.model_config.layers == 2 for c in exp.runs)
+    reasons = sorted(row["error"] for row in exp.skipped)
+    assert "kv_heads (1) is not divisible by tp (2)" in reasons[0] + reasons[1]
+    assert any("divide model.heads (4)" in r for r in reasons)
+    for bad, where in (({"kv_heads": []}, "model.kv_heads"), ({"kv_heads": [2, "two"]}, r"model.kv_heads\[1\]"),
+                       ({"kv_head": [2]}, "model.kv_head")):
+        with pytest.raises(SweepError, match=where):
+            _spec(model={"preset": "tiny", **bad}, grid={"tp": [1]})
+
+
 def test_example_sweeps_expand():
     quick = expand(load_sweep(ROOT / "sweeps" / "quickstart.yaml"))
     assert {c.backend for c in quick.runs} == {"native", "ddp", "fsdp", "deepspeed"}

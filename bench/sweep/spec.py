@@ -3,7 +3,8 @@
 A sweep file (loaded with `yaml.safe_load`; every key is optional except `grid`):
 
     name: quickstart                 # default: the file's stem; names the output folder results/<name>/
-    model: tiny                      # a preset, or {preset: tiny, layers: 8, ...} (GPTConfig overrides)
+    model: tiny                      # a preset, or {preset: tiny, layers: 8, ...} (GPTConfig overrides);
+                                     # a list is an axis: {preset: tiny-gqa, kv_heads: [1, 2, 4]}
     world_size: 4                    # an int or a list of ints (then an axis); needed by `dp: auto`
     base: {steps: 3, dtype: fp32}    # RunConfig fields shared by every run
     grid:                            # cartesian product; any RunConfig field is an axis
@@ -93,6 +94,8 @@ class SweepSpec:
     report: bool = False
     repeat_order: str = "interleaved"
     """interleaved: every config's repeat k runs before any repeat k+1; blocked: a config's repeats back to back."""
+    model_axes: dict = field(default_factory=dict)
+    """Model field → tuple of values (`model: {kv_heads: [1, 2]}`): each value one more model override."""
 
 
 @dataclass
@@ -223,8 +226,38 @@ ModelBlock = create_model("ModelBlock", __base__=_ModelBase,
 
 def _overrides(block: BaseModel, keys) -> tuple:
     """model_overrides in the file's key order (it is part of the run id)."""
-    return tuple(f"{k}={str(getattr(block, k)).lower() if isinstance(getattr(block, k), bool) else getattr(block, k)}"
-                 for k in keys if k != "preset")
+    return tuple(_override(k, getattr(block, k)) for k in keys if k != "preset")
+
+
+def _override(key: str, value) -> str:
+    return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+
+
+MODEL_TYPES = typing.get_type_hints(GPTConfig)
+
+
+def _split_model_axes(data: dict, source: str) -> tuple[dict, dict]:
+    """`model: {preset: P, kv_heads: [1, 2, 4]}`: a list is an axis over that model field. Each value is
+    type-checked here; whether it fits the model (heads % kv_heads, kv_heads % tp) is RunConfig's to say,
+    per combination, as a skipped row."""
+    from pydantic import TypeAdapter
+    model = data.get("model")
+    axes = {k: v for k, v in model.items() if isinstance(v, list)} if isinstance(model, dict) else {}
+    for key, values in axes.items():
+        if key not in MODEL_TYPES or key == "name":
+            raise SweepError(source, f"model.{key}", _unknown_key(("model", key)))
+        if not values:
+            raise SweepError(source, f"model.{key}", "an axis needs at least one value, e.g. [1, 2]")
+        adapter = TypeAdapter(MODEL_TYPES[key])
+        for i, value in enumerate(values):
+            try:
+                adapter.validate_python(value, strict=True)
+            except ValidationError as e:
+                raise SweepError(source, f"model.{key}[{i}]", e.errors()[0]["msg"].lower() + f", got {value!r}") from None
+    if not axes:
+        return data, {}
+    fixed = {k: v for k, v in model.items() if k not in axes}
+    return {**data, "model": fixed}, {k: tuple(v) for k, v in axes.items()}
 
 
 class LauncherBlock(BaseModel):
@@ -410,6 +443,7 @@ def load_sweep(path: str | Path) -> SweepSpec:
 def parse_sweep(data: Any, source: str = "<sweep>", default_name: str = "sweep") -> SweepSpec:
     if not isinstance(data, dict):
         raise SweepError(source, "", f"the file must be a mapping of keys ({', '.join(TOP_KEYS)}), got {kind(data)}")
+    data, model_axes = _split_model_axes(data, source)
     try:
         file = SweepFile.model_validate(data)
     except ValidationError as e:
@@ -430,7 +464,7 @@ def parse_sweep(data: Any, source: str = "<sweep>", default_name: str = "sweep")
         ds_set=tuple(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in _flatten(file.deepspeed)),
         exclude=tuple({k: {_hashable(x) for x in v} if v != "auto" else {"auto"} for k, v in _axes(rule, raw).items()}
                       for rule, raw in zip(file.exclude, data.get("exclude", []))),
-        repeats=file.repeats, repeat_order=file.repeat_order,
+        repeats=file.repeats, repeat_order=file.repeat_order, model_axes=model_axes,
         launcher=LauncherSpec(kind=launcher.kind, profile=(launcher.profile or "local") if launcher.kind == "slurm"
                               else None, options=options),
         report=file.report)
@@ -484,6 +518,10 @@ def _points(spec: SweepSpec):
     for group in spec.zips:
         n = len(next(iter(group.values())))
         factors.append([{name: values[i] for name, values in group.items()} for i in range(n)])
+    if spec.model_axes:  # one factor: every combination of the model axes, as the overrides it adds
+        names = list(spec.model_axes)
+        factors.append([{"model_overrides": spec.model_overrides + tuple(map(_override, names, combo))}
+                        for combo in itertools.product(*spec.model_axes.values())])
     common = {"model": spec.model, "model_overrides": spec.model_overrides, **spec.base}
     for combo in itertools.product(*factors):
         point = dict(common)
