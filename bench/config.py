@@ -154,7 +154,7 @@ class RunConfig(BatchShape):
             if not f.metadata["in_id"]:
                 continue
             value = getattr(self, f.name)
-            if f.name in ("model", "backend", "tp", "pp", "dp") or value != _default(f):
+            if f.name in ("model", "backend", "tp", "pp", "dp") or value != DEFAULTS[f.name]:
                 out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -193,10 +193,8 @@ def field_types(cls: type = None) -> dict[str, tuple[type, bool]]:
 
 
 FIELDS = {f.name: f for f in fields(RunConfig)}
-
-
-def _default(f):
-    return f.default_factory() if f.default is MISSING else f.default
+DEFAULTS = {f.name: f.default_factory() if f.default is MISSING else f.default for f in fields(RunConfig)}
+"""Every RunConfig field's default (None for the ones derived from others, e.g. seq)."""
 
 
 def _digest(obj) -> str:

@@ -86,14 +86,13 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
 
 def _shape_from_options(options: dict):
     """The run's fields with RunConfig's defaults, checked by RunConfig's layout and model rules only."""
-    from dataclasses import MISSING, fields, replace
+    from dataclasses import fields, replace
 
     from bench.analysis.estimate import Shape
     from bench.capabilities import CAPABILITIES
-    from bench.config import ConfigError, RunConfig, structural_reason
+    from bench.config import DEFAULTS, ConfigError, structural_reason
     from models.config import get_preset
-    defaults = {f.name: (f.default_factory() if f.default is MISSING else f.default)
-                for f in fields(RunConfig) if f.name in {g.name for g in fields(Shape)}}
+    defaults = {name: DEFAULTS[name] for name in (f.name for f in fields(Shape)) if name in DEFAULTS}
     given = {k: v for k, v in options.items() if v is not None and v != () and k in defaults}
     values = {**defaults, **given, "zero": int(given.get("zero", 0))}
     if values["fsdp"] is None and values["backend"] in CAPABILITIES:

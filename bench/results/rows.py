@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 import statistics
 import traceback
-from dataclasses import MISSING, fields
 
-from bench.config import ConfigError, RunConfig, _digest, model_config
+from bench.config import DEFAULTS, ConfigError, RunConfig, _digest, model_config
 from bench.environment import environment
 from bench.results.schema import COLUMNS, PROBLEMS, SCHEMA_VERSION, Status, comm_columns
 
@@ -33,15 +32,14 @@ def _row(config: dict, status: Status | str, error: str | None, failed_rank: int
             "failed_rank": failed_rank, **environment()}
 
 
-HASHED_OFF_DEFAULT = {"compile": False, "profile": False}
+HASHED_OFF_DEFAULT = {name: DEFAULTS[name] for name in ("compile", "profile")}
 """RunConfig fields added after the refused configs' ids were fixed → their default (left out of the hash
 while at it, so the skipped rows of older sweeps keep their ids, as RunConfig.canonical leaves out every
 default)."""
 
 
 def _refused_config(params: dict) -> dict:
-    row = {f.name: (f.default_factory() if f.default is MISSING else f.default) for f in fields(RunConfig)}
-    row.update(params)
+    row = {**DEFAULTS, **params}
     if row.get("seq") is None:
         try:
             row["seq"] = model_config(row["model"], tuple(row.get("model_overrides") or ())).seq_len

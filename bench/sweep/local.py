@@ -13,7 +13,7 @@ from bench.results import classify_error, failure_row
 from bench.spawn import RankPool, free_port
 from bench.sweep.launcher import Launcher
 
-__all__ = ["DebugLauncher", "LocalLauncher", "RankPool", "free_port", "run_debug", "run_local"]
+__all__ = ["DebugLauncher", "LocalLauncher", "run_debug", "run_local"]
 
 
 class LocalLauncher(Launcher):

@@ -22,11 +22,10 @@ import json
 import math
 import os
 import socket
-from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.config import RunConfig
+from bench.config import DEFAULTS
 from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Kind, Status
 
 if TYPE_CHECKING:
@@ -216,7 +215,7 @@ def _one_type(col: "pd.Series") -> "pd.Series":
                    (v if isinstance(v, str) else json.dumps(v, default=str))).astype("object")
 
 
-ADDED_LATER = {**{f.name: f.default for f in fields(RunConfig) if f.default is not MISSING},
+ADDED_LATER = {**{k: v for k, v in DEFAULTS.items() if not isinstance(v, tuple)},  # list fields: always there
                **{name: None for name in ALWAYS if COLUMNS[name].kind in (Kind.EXACT, Kind.NOISY, Kind.ENVIRONMENT)}}
 """Every-row columns a reader fills in when an older table of the same schema version lacks them (a new
 RunConfig field with its default, a new measurement or environment field empty): adding a column is no
