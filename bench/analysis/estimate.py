@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import gcd
 
-from bench.analysis.comm import Traffic, comm_summary
+from bench.analysis.comm import comm_summary
 from bench.analysis.hardware import Hardware, get_hardware
 from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memory
 from bench.analysis.stage_plan import StagePlan, stage_plan
@@ -117,18 +117,6 @@ def link(cfg, hw: Hardware, dim: str, gpus_per_node: int) -> tuple[float, float,
     if crosses_nodes(cfg.tp, cfg.pp, cfg.dp, cfg.order, gpus_per_node, dim):
         return hw.inter_node_bw, hw.inter_node_latency_s, "network"
     return hw.intra_node_bw, hw.intra_node_latency_s, "nvlink"
-
-
-def op_time(tr: Traffic, bw: float, latency: float) -> float:
-    """One collective (ring): 2(n−1) latency hops for all-reduce, n−1 for all-gather/reduce-scatter."""
-    n = tr.group
-    if n <= 1 or tr.kind == "recv":
-        return 0.0
-    if tr.kind == "all_reduce":
-        return 2 * (n - 1) * (latency + tr.payload / n / bw)
-    if tr.kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) * (latency + tr.payload / n / bw)
-    return latency + tr.payload / bw
 
 
 def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str = "zero", impl: str = "table2") -> dict:

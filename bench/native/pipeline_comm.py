@@ -57,17 +57,9 @@ class PipeComm:
         """(b, s[/tp], h) activations → the next stage's chunk `to_chunk`."""
         self._send(act, self.next, 2 * to_chunk)
 
-    def recv_forward(self, shape, dtype, device, chunk: int) -> torch.Tensor:
-        """(b, s[/tp], h) activations ← the previous stage, into this rank's chunk `chunk` (blocking)."""
-        return self.post_forward(shape, dtype, device, chunk).wait()
-
     def send_backward(self, grad: torch.Tensor, to_chunk: int) -> None:
         """(b, s[/tp], h) input gradients → the previous stage's chunk `to_chunk`."""
         self._send(grad, self.prev, 2 * to_chunk + 1)
-
-    def recv_backward(self, shape, dtype, device, chunk: int) -> torch.Tensor:
-        """(b, s[/tp], h) output gradients ← the next stage, into this rank's chunk `chunk` (blocking)."""
-        return self.post_backward(shape, dtype, device, chunk).wait()
 
     def wait_sends(self) -> None:
         for work, _ in self._sends:
