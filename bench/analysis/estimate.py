@@ -113,10 +113,10 @@ def crosses_nodes(tp: int, pp: int, dp: int, order: str, gpus_per_node: int, dim
 
 
 def link(cfg, hw: Hardware, dim: str, gpus_per_node: int) -> tuple[float, float, str]:
-    """(bandwidth, latency, name) of the links a `dim` group uses."""
+    """(bandwidth a ring collective reaches, latency, name) of the links a `dim` group uses."""
     if crosses_nodes(cfg.tp, cfg.pp, cfg.dp, cfg.order, gpus_per_node, dim):
-        return hw.inter_node_bw, hw.inter_node_latency_s, "network"
-    return hw.intra_node_bw, hw.intra_node_latency_s, "nvlink"
+        return hw.inter_node_bw * hw.inter_node_efficiency, hw.inter_node_latency_s, "network"
+    return hw.intra_node_bw * hw.intra_node_efficiency, hw.intra_node_latency_s, "nvlink"
 
 
 def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str = "zero", impl: str = "table2") -> dict:

@@ -97,6 +97,10 @@ class Hardware:
     """Fraction of the peak the best-shaped matmul reaches in a burst; 0: use compute_efficiency."""
     sustained_clock: Fraction = 1.0
     """Share of that burst rate a board saturated at its power limit holds (training is one long run)."""
+    intra_node_efficiency: Fraction = 1.0
+    """Share of `intra_node_bw` a large ring collective reaches (its bus bandwidth over the link spec)."""
+    inter_node_efficiency: Fraction = 1.0
+    """The same for `inter_node_bw`."""
     calibration: Any = None
     """A `Calibration` measured on the machine by `bench calibrate` (then it replaces the figures above);
     read by `calibration_from_dict`, not by the file schema."""
@@ -124,21 +128,30 @@ MAMF = {"a100-80gb": 267.9 / 312, "h100-sxm": 792.1 / 989, "h200": 834 / 989}
 # No MSMF is published for A100 or H100: they take H200's measured ratio. `bench calibrate` on the
 # machine replaces both figures with the measured curve.
 SUSTAINED = 755 / 834
+# A ring collective never reaches the link's spec: NCCL's all-reduce bus bandwidth at 16 GiB, measured
+# with nccl-tests / all_reduce_bench (S. Bekman, ml-engineering, network/README.md, "Real network
+# throughput"): 8× A100 on NVLink 3, 234.89 of 300 GB/s; 8× H200 on NVLink 4 with the ring (NVLS off),
+# 367.61 of 450 (H100 has the same NVLink 4). Networks: "expect about 80 %" of the advertised rate (ibid.).
+RING_EFFICIENCY = {"a100-80gb": 234.89 / 300, "h100-sxm": 367.61 / 450, "h200": 367.61 / 450}
+NETWORK_EFFICIENCY = 0.8
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
     # NVIDIA A100 datasheet (SXM 80GB): 312 TFLOP/s dense bf16/fp16, 19.5 fp32, HBM2e 2,039 GB/s;
     # NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; HDR InfiniBand 200 Gb/s per GPU.
     Hardware("a100-80gb", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GiB, 300e9, 25e9,
              match=("A100",), memory_bw=2039e9, matmul_efficiency=MAMF["a100-80gb"],
-             sustained_clock=SUSTAINED),
+             sustained_clock=SUSTAINED, intra_node_efficiency=RING_EFFICIENCY["a100-80gb"],
+             inter_node_efficiency=NETWORK_EFFICIENCY),
     # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense bf16, 67 fp32, HBM3 3.35 TB/s;
     # NVLink 4: 900 GB/s bidirectional; NDR InfiniBand 400 Gb/s per GPU.
     Hardware("h100-sxm", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GiB, 450e9, 50e9,
              match=("H100",), memory_bw=3.35e12, matmul_efficiency=MAMF["h100-sxm"],
-             sustained_clock=SUSTAINED),
+             sustained_clock=SUSTAINED, intra_node_efficiency=RING_EFFICIENCY["h100-sxm"],
+             inter_node_efficiency=NETWORK_EFFICIENCY),
     # NVIDIA H200 datasheet (SXM): H100's compute, 141 GB HBM3e at 4.8 TB/s.
     Hardware("h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GiB, 450e9, 50e9,
              match=("H200",), memory_bw=4.8e12, matmul_efficiency=MAMF["h200"],
-             sustained_clock=SUSTAINED),
+             sustained_clock=SUSTAINED, intra_node_efficiency=RING_EFFICIENCY["h200"],
+             inter_node_efficiency=NETWORK_EFFICIENCY),
     # Measured on this machine (2 cores, 24 GiB, torch 2.13 CPU, one thread per rank) by the script
     # quoted in /work/notes/issue-7.md: 512² matmul in one thread (fp32, bf16); gloo all-reduce of
     # 64 MiB between two processes (bus bandwidth) and of 4 bytes (latency). A "device" is one core;
