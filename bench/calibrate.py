@@ -36,10 +36,10 @@ def plan_sizes(quick: bool, cuda: bool = False) -> dict:
     if cuda:
         return {"matmul": (256, 1024, 4096) if quick else (128, 256, 512, 1024, 2048, 4096, 8192),
                 "window_s": 0.05 if quick else 0.2, "elementwise": 1 << 26,
-                "comm_bytes": (4, 1 << 26) if quick else (4, 1 << 22, 1 << 28)}
+                "comm_bytes": (4, 1 << 22, 1 << 26) if quick else (4, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28)}
     return {"matmul": (32, 128, 512) if quick else (16, 32, 64, 128, 256, 512, 1024),
             "window_s": 0.03 if quick else 0.12, "elementwise": 1 << 20,
-            "comm_bytes": (4, 1 << 20) if quick else (4, 1 << 18, 1 << 22)}
+            "comm_bytes": (4, 1 << 18, 1 << 22) if quick else (4, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 25)}
 
 
 # --- timing ---------------------------------------------------------------------------------------
@@ -222,17 +222,16 @@ def _ping(x, peer: int, rank: int) -> None:
         dist.send(x, peer)
 
 
-def fit_collective(op: str, points: list, group: int) -> list[float]:
-    """[latency, bytes/s] from the smallest and largest message: time = latency + wire bytes / bw."""
-    from bench.analysis.comm import wire_bytes
-    kind = "send" if op == "send" else op
-    scale = 0.5 if op == "send" else 1.0  # a ping is two sends
-    (_, small_t), (big_b, big_t) = points[0], points[-1]
-    lat, big = small_t * scale, big_t * scale
-    wire = wire_bytes(kind, big_b, group)
-    # a noisy small message can read slower than its share of the large one: the large one then
-    # carries at least half its own time as transfer (never an unbounded bandwidth)
-    return [min(lat, big / 2), wire / max(big - lat, big / 2)]
+def collective_curve(op: str, points: list) -> list[list[float]]:
+    """[[payload, seconds of one op], ...] by payload (a ping is two sends). A larger message is never
+    faster than a smaller one, so a smaller one reading slower was delayed by something else: it gets
+    the larger one's time (noise on a shared machine only ever adds time)."""
+    scale = 0.5 if op == "send" else 1.0
+    out, fastest = [], float("inf")
+    for nbytes, seconds in sorted(points, reverse=True):
+        fastest = min(fastest, seconds * scale)
+        out.append([float(nbytes), fastest])
+    return out[::-1]
 
 
 # --- the whole calibration ------------------------------------------------------------------------
@@ -274,7 +273,7 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
             got = pool.call(measure_collectives, g, sizes["comm_bytes"], sizes["window_s"])
             times = {op: [[b, max(r[op][i][1] for r in got if r)] for i, (b, _) in enumerate(got[0][op])] for op in OPS}
             for op in OPS:
-                colls[op][g] = fit_collective(op, times[op], g)
+                colls[op][g] = collective_curve(op, times[op])
             tick(f"collectives in groups of {g}")
     info = machine()
     info.update(quick=quick, world=world, steps=steps)
@@ -300,13 +299,20 @@ def profile_from(cal: Calibration, name: str | None) -> Hardware:
     cpu = PROFILES["cpu"]
     peak = {k: max(r for _, r in v) for k, v in cal.matmul.items()}
     peak["fp16"] = peak.get("bf16", peak["fp32"])
-    ar = cal.collectives["all_reduce"]
-    lat, bw = ar[min(ar)]
+    lat, bw = link_figures(cal)
     from dataclasses import replace
     return replace(cpu, name=name or "cpu", peak_flops=peak, memory_bytes=_ram() / max(cal.machine["cores"], 1),
                    intra_node_bw=bw, inter_node_bw=bw, intra_node_latency_s=lat, inter_node_latency_s=lat,
                    gpus_per_node=cal.machine["cores"], memory_bw=cal.memory_bw, calibration=cal,
                    source=f"calibrated on {cal.machine['hostname']} {cal.machine['measured_at']}")
+
+
+def link_figures(cal: Calibration) -> tuple[float, float]:
+    """(latency s, wire bytes/s) of a pair's all-reduce, from its curve's ends: the profile's summary
+    figures for the layout explainer and whatever reads a link, not the time model (it reads the curve)."""
+    from bench.analysis.comm import wire_bytes
+    (_, small), (big_b, big_t) = cal.curve("all_reduce", 2)[0], cal.curve("all_reduce", 2)[-1]
+    return small, wire_bytes("all_reduce", big_b, 2) / max(big_t - small, big_t / 2)
 
 
 def _ram() -> float:

@@ -132,6 +132,10 @@ def test_calibrate_writes_a_profile_found_by_name(calibrated, monkeypatch):
     cal = hw.calibration
     assert cal.machine["cores"] == os.cpu_count() and cal.machine["torch"].startswith("2.")
     assert set(cal.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    curve = cal.curve("all_reduce", 2)  # measured over message sizes: a larger one never reads faster
+    assert len(curve) >= 3 and all(t0 <= t1 for (_, t0), (_, t1) in zip(curve, curve[1:]))
+    mid = (curve[1][0] + curve[2][0]) / 2
+    assert curve[1][1] <= cal.collective_seconds("all_reduce", 2, mid) <= curve[2][1]
     assert cal.memory_bw > 0 and cal.op_overhead_s > 0 and cal.optimizer_s_per_param > 0
     assert cal.matmul_rate("fp32", 2 * 512**3) > cal.matmul_rate("fp32", 2 * 32**3)  # a curve, not one peak
     monkeypatch.setenv("PARABENCH_PROFILES", str(calibrated))
@@ -149,6 +153,8 @@ def test_calibrate_writes_a_profile_found_by_name(calibrated, monkeypatch):
     (lambda d: d["calibration"].pop("memory_bw"), "calibration.memory_bw is missing"),
     (lambda d: d["calibration"].__setitem__("op_overhead_s", -1.0), "calibration.op_overhead_s is -1.0"),
     (lambda d: d.__setitem__("inter_node_bw", -5), "inter_node_bw: must be > 0"),
+    (lambda d: d["calibration"]["collectives"]["send"].__setitem__(2, [[0, 1e-3]]),
+     "calibration.collectives.send.2 must list [payload bytes, seconds] pairs > 0"),
 ])
 def test_bad_profiles_fail_in_one_line(calibrated, tmp_path, edit, message):
     data = yaml.safe_load((calibrated / "cpu.yaml").read_text())

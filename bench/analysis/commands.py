@@ -240,10 +240,17 @@ def calibrate(world, out, name, quick):
                f"{hw.peak_flops.get('bf16', 0) / 1e9:,.1f}; memory {cal.memory_bw / 1e9:.2f} GB/s; "
                f"op {cal.op_overhead_s * 1e6:.1f} µs; AdamW {cal.optimizer_s_per_param * 1e9:.2f} ns/param")
     for op, table in cal.collectives.items():
-        click.echo(f"  {op:<15}" + "  ".join(f"n={n}: {lat * 1e6:,.0f} µs + {bw / 1e9:.2f} GB/s"
-                                              for n, (lat, bw) in sorted(table.items())))
+        click.echo(f"  {op:<15}" + "  ".join(f"n={n}: " + ", ".join(f"{_size(b)} {t * 1e3:.2f} ms" for b, t in points)
+                                              for n, points in sorted(table.items())))
     click.echo("  ranks sharing the machine slow compute ×" +
                ", ".join(f"{f:.2f} ({k})" for k, f in sorted(cal.oversubscription.items())))
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
 
 
 COMMANDS += [layout, estimate, plan, validate, calibrate]

@@ -282,7 +282,9 @@ class Calibration:
     optimizer_s_per_tensor: float
     """Seconds per parameter tensor of that step beyond its elements (its ops' host cost)."""
     collectives: dict
-    """op → {group size: [latency s, bytes/s]}: time = latency + ring wire bytes / bytes/s."""
+    """op → {group size: [[payload bytes, seconds], ...]}: one op's measured time over message sizes
+    (a send: one direction). Between sizes the time is interpolated, beyond the largest it grows at the
+    largest segment's rate: a mid-size message is not as fast as a line through the extremes says."""
     oversubscription: dict
     """ranks → slowdown of compute when that many ranks share the machine (1 when each has a core)."""
 
@@ -298,16 +300,26 @@ class Calibration:
                 return r0 + w * (r1 - r0)
         return curve[-1][1]
 
-    def collective(self, kind: str, group: int) -> tuple[float, float] | None:
-        """(latency, bytes/s) of `kind` in a group of `group` ranks: the measured group size, else the
-        nearest measured one (None: not measured)."""
+    def curve(self, kind: str, group: int) -> list | None:
+        """The measured [[payload, seconds], ...] of `kind` in the measured group size nearest to `group`
+        (None: not measured)."""
         table = self.collectives.get("all_reduce" if kind == "broadcast" else kind)
         if not table:
             return None
-        sizes = sorted(int(n) for n in table)
-        n = min(sizes, key=lambda k: (abs(k - group), -k))
-        lat, bw = table[n] if n in table else table[str(n)]
-        return float(lat), float(bw)
+        return table[min(table, key=lambda k: (abs(k - group), -k))]
+
+    def collective_seconds(self, kind: str, group: int, payload: float) -> float | None:
+        """Seconds of one `kind` op moving `payload` bytes, read off its measured curve."""
+        points = self.curve(kind, group)
+        if points is None:
+            return None
+        if payload <= points[0][0]:
+            return points[0][1]
+        for (b0, t0), (b1, t1) in zip(points, points[1:]):
+            if payload <= b1:
+                return t0 + (payload - b0) * (t1 - t0) / (b1 - b0)
+        (b0, t0), (b1, t1) = points[-2:] if len(points) > 1 else ((0.0, 0.0), points[-1])
+        return t1 + (payload - b1) * (t1 - t0) / (b1 - b0)
 
     def slowdown(self, ranks: int) -> float:
         table = {int(k): float(v) for k, v in self.oversubscription.items()}
@@ -343,12 +355,14 @@ def calibration_from_dict(data: dict, where: str) -> Calibration:
             raise ValueError(f"{where}: calibration.matmul.{dtype} must list [FLOP, FLOP/s] pairs > 0 "
                              "(rerun `bench calibrate`)")
     for op, table in data["collectives"].items():
-        for n, pair in table.items():
-            if len(pair) != 2 or pair[0] < 0 or pair[1] <= 0:
-                raise ValueError(f"{where}: calibration.collectives.{op}.{n} must be [latency ≥ 0, bytes/s > 0] "
-                                 "(rerun `bench calibrate`)")
+        for n, points in table.items():
+            if not points or any(not isinstance(p, (list, tuple)) or len(p) != 2 or p[0] <= 0 or p[1] <= 0
+                                 for p in points):
+                raise ValueError(f"{where}: calibration.collectives.{op}.{n} must list [payload bytes, seconds] "
+                                 "pairs > 0 (rerun `bench calibrate`)")
     out = dict(data, matmul={k: sorted(map(tuple, v)) for k, v in data["matmul"].items()},
-               collectives={op: {int(n): tuple(p) for n, p in t.items()} for op, t in data["collectives"].items()},
+               collectives={op: {int(n): sorted(map(tuple, p)) for n, p in t.items()}
+                            for op, t in data["collectives"].items()},
                oversubscription={int(k): float(v) for k, v in data["oversubscription"].items()})
     return Calibration(**out)
 

@@ -167,15 +167,14 @@ class Device:
 
 
 def collective_time(tr: Traffic, hw: Hardware, bw: float, latency: float) -> float:
-    """One op: the calibrated latency + ring wire bytes / measured bandwidth for its kind and group
-    size, else the ring over the link (2(n−1) hops for all-reduce, n−1 for gather/scatter)."""
+    """One op: its time for that payload and group size on the calibrated curve, else the ring over
+    the link (latency per hop, 2(n−1) hops for all-reduce, n−1 for gather/scatter, + wire bytes / bw)."""
     n = tr.group
     if n <= 1 or tr.kind == "recv":
         return 0.0
-    cal = hw.calibration and hw.calibration.collective("send" if tr.kind == "send" else tr.kind, n)
-    if cal:
-        lat, measured = cal
-        return lat + wire_bytes(tr.kind, tr.payload, n) / measured
+    measured = hw.calibration and hw.calibration.collective_seconds(tr.kind, n, tr.payload)
+    if measured:
+        return measured
     hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(tr.kind, 1)
     return hops * latency + wire_bytes(tr.kind, tr.payload, n) / bw
 
