@@ -26,6 +26,7 @@ from functools import lru_cache
 from bench.analysis.hardware import Hardware, get_hardware
 from bench.config import RunConfig
 from bench.results import skipped_row
+from bench.sweep.spec import describe
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,6 @@ def _too_big(runs: list[RunConfig], preds: dict) -> dict[str, str]:
 
 
 def _too_slow(runs: list[RunConfig], preds: dict, factor: float) -> dict[str, str]:
-    from bench.sweep.runner import describe
     timed = [c for c in runs if preds[c.run_id].tokens_per_s]
     if not timed:
         return {}

@@ -15,7 +15,7 @@ from pathlib import Path
 from bench.config import ConfigError, RunConfig
 from bench.results import PROBLEMS, Status, skipped_row
 from bench.sweep.launcher import Launcher
-from bench.sweep.spec import Expansion, SweepError, SweepSpec, expand
+from bench.sweep.spec import Expansion, SweepError, SweepSpec, describe, expand
 from bench.sweep.store import ResultStore
 
 
@@ -178,20 +178,6 @@ def check_profile(runs: list[RunConfig], launch: Launcher, out: Path) -> None:
                          "profile with --launcher local or debug")
     from bench.metrics.profile import check_writable
     check_writable(out / "runs")
-
-
-def describe(cfg: RunConfig | dict) -> str:
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    text = f"{get('backend')} tp={get('tp')} pp={get('pp')} dp={get('dp')}"
-    if get("backend") == "deepspeed" or get("zero"):
-        text += f" zero={get('zero')}"
-    if get("fsdp"):
-        text += f" fsdp={get('fsdp')}"
-    if get("fault") not in (None, "none"):
-        text += f" fault={get('fault')}"
-    if get("repeat"):
-        text += f" repeat={get('repeat')}"
-    return text
 
 
 class SweepProgress:

@@ -581,6 +581,21 @@ def _flatten(block: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
+def describe(cfg: RunConfig | dict) -> str:
+    """A run in a few words (progress lines, skip reasons): the layout and what sets it apart."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    text = f"{get('backend')} tp={get('tp')} pp={get('pp')} dp={get('dp')}"
+    if get("backend") == "deepspeed" or get("zero"):
+        text += f" zero={get('zero')}"
+    if get("fsdp"):
+        text += f" fsdp={get('fsdp')}"
+    if get("fault") not in (None, "none"):
+        text += f" fault={get('fault')}"
+    if get("repeat"):
+        text += f" repeat={get('repeat')}"
+    return text
+
+
 # --- expansion --------------------------------------------------------------------------------------------
 
 
