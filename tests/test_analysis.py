@@ -283,9 +283,10 @@ def test_plan_emit_sweep_round_trips_to_the_same_configs(tmp_path):
 
 def test_plan_emit_sweep_for_a_gpu_cluster(tmp_path):
     """A GPU plan's file targets its cluster (device cuda): it parses and expands to the same K configs."""
+    import yaml
+
     from bench.analysis.planner import sweep_text
     from bench.sweep.spec import expand, parse_sweep
-    import yaml
     result = plan("gpt2-124m", 64, 8, "h100-sxm", 256, top=3)
     text = sweep_text(result, "gpt2-124m", 64, 8, "h100-sxm", 256, "bench plan …", "today")
     spec = parse_sweep(yaml.safe_load(text), "top.yaml")

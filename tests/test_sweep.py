@@ -114,12 +114,12 @@ def test_runs_list_explicit_configs_crossed_with_the_grid():
 def _planned(tmp_path, launcher="local", **data):
     from bench.sweep.runner import make_launcher, plan
     spec = _spec(**data)
-    return spec, plan(spec, make_launcher(spec, tmp_path, launcher))
+    return plan(spec, make_launcher(spec, tmp_path, launcher))
 
 
 def test_prune_slower_than_best_skips_with_the_predicted_figures(tmp_path):
     from bench.analysis.estimate import predict_row
-    spec, exp = _planned(tmp_path, world_size=2, base={"device": "cpu", "dtype": "fp32"},
+    exp = _planned(tmp_path, world_size=2, base={"device": "cpu", "dtype": "fp32"},
                          grid={"tp": [1, 2], "dp": "auto"}, zip=[{"micro_batch": [1, 2], "micro_batches": [4, 2]}],
                          prune={"slower_than_best": 2.0})
     unpruned = expand(_spec(world_size=2, base={"device": "cpu", "dtype": "fp32"}, grid={"tp": [1, 2], "dp": "auto"},
@@ -143,7 +143,7 @@ def test_prune_slower_than_best_skips_with_the_predicted_figures(tmp_path):
 
 def test_prune_compares_time_per_token_across_global_batches(tmp_path):
     """pp 2 · dp 1 takes less time per step than dp 2 but does half the tokens: per token it is slower."""
-    spec, exp = _planned(tmp_path, world_size=2, base={"device": "cpu", "dtype": "fp32", "micro_batch": 4},
+    exp = _planned(tmp_path, world_size=2, base={"device": "cpu", "dtype": "fp32", "micro_batch": 4},
                          grid={"pp": [1, 2], "dp": "auto"}, prune={"slower_than_best": 1.5})
     preds = exp.predictions
     (kept,), (pruned,) = exp.runs, exp.skipped
@@ -155,7 +155,7 @@ def test_prune_fit_uses_the_named_profile_memory(tmp_path):
     hw = tmp_path / "small-gpu.yaml"
     hw.write_text("name: small-gpu\npeak_flops: {fp32: 10T}\nmemory_bytes: 6MiB\nintra_node_bw: 10GB\n"
                   "inter_node_bw: 1GB\n")
-    spec, exp = _planned(tmp_path, base={"device": "cpu", "dtype": "fp32"},
+    exp = _planned(tmp_path, base={"device": "cpu", "dtype": "fp32"},
                          zip=[{"micro_batch": [8, 1], "micro_batches": [1, 8]}], grid={"seed": [0]},
                          prune={"fit": True, "hardware": str(hw)})
     (kept,), (pruned,) = exp.runs, exp.skipped
@@ -169,11 +169,11 @@ def test_prune_fit_uses_the_named_profile_memory(tmp_path):
 def test_prune_on_cpu_shares_the_host_memory_and_unknown_gpus_warn(tmp_path):
     from bench.analysis.estimate import row_hardware
     hw = row_hardware("cpu")
-    _, exp = _planned(tmp_path, world_size=2, base={"device": "cpu"}, grid={"dp": "auto"}, prune={"fit": True})
+    exp = _planned(tmp_path, world_size=2, base={"device": "cpu"}, grid={"dp": "auto"}, prune={"fit": True})
     (pred,) = exp.predictions.values()
     assert pred.rank_memory == hw.memory_bytes * hw.gpus_per_node / 2 and "shared by 2 rank(s)" in pred.memory_note
     assert exp.runs and not exp.skipped  # the tiny model fits
-    _, gpu = _planned(tmp_path, "slurm", world_size=2, base={"device": "cuda"}, grid={"dp": "auto"},
+    gpu = _planned(tmp_path, "slurm", world_size=2, base={"device": "cuda"}, grid={"dp": "auto"},
                       prune={"fit": True, "slower_than_best": 2.0})
     assert gpu.runs and not gpu.pruned  # the slurm hosts' GPUs are unknown here: nothing pruned, and it says so
     assert any("no hardware profile for device cuda with the slurm launcher" in w for w in gpu.warnings)

@@ -268,8 +268,8 @@ def sweep_text(result: Plan, model: str, gpus: int, gpus_per_node: int, hardware
     shared = {k: v for k, v in rows[0].items() if all(r.get(k) == v for r in rows)} if len(rows) > 1 else {}
     hw = get_hardware(hardware)
     lines = [f"# written by `{command}` on {when}",
-             f"# model {model}, {gpus} GPUs ({gpus_per_node} per node), hardware {hw.name}, global batch "
-             f"{global_batch}: the top {len(rows)} of {result.fitting:,} fitting configs by predicted tokens/s",
+             (f"# model {model}, {gpus} GPUs ({gpus_per_node} per node), hardware {hw.name}, global batch "
+              f"{global_batch}: the top {len(rows)} of {result.fitting:,} fitting configs by predicted tokens/s"),
              "# run it on the cluster the plan was made for: bench sweep THIS_FILE --launcher slurm [--profile NAME];",
              "# its --dry-run predicts each run as its row will (the backend's own state and activation conventions)",
              f"name: plan-{model}-{gpus}",

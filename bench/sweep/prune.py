@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from bench.analysis.hardware import Hardware, get_hardware
 from bench.config import RunConfig
@@ -49,7 +49,7 @@ def shares_host_memory(hw: Hardware) -> bool:
     return hw.name == "cpu" or (hw.calibration is not None and hw.calibration.machine.get("device") == "cpu")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _local_device_name() -> str:
     import torch
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
