@@ -252,6 +252,49 @@ def test_plan_gpt3_175b_4096_fast_and_cli():
     assert "top" in text and "dropped" in text
 
 
+PLAN_FIELDS = ("model", "tp", "pp", "dp", "backend", "order", "zero", "fsdp", "schedule", "virtual_stages",
+               "micro_batch", "micro_batches", "seq", "dtype", "sequence_parallel", "recompute", "bucket_mb")
+
+
+def _plan_configs(rows, device):
+    return [RunConfig(**{k: r[k] for k in PLAN_FIELDS}, device=device) for r in rows]
+
+
+def test_plan_emit_sweep_round_trips_to_the_same_configs(tmp_path):
+    """plan → sweep file → the sweep parser expands it to exactly the top K configs, best first; the file
+    passes `bench sweep --dry-run` (a CPU plan: the local launcher can place its runs here)."""
+    from bench.sweep.spec import expand, load_sweep
+    path = tmp_path / "top.yaml"
+    argv = ["plan", "--model", "tiny", "--gpus", "4", "--hardware", "cpu", "--gpus-per-node", "2",
+            "--global-batch", "8", "--top", "4"]
+    out = CliRunner().invoke(app, [*argv, "--emit-sweep", str(path), "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output[out.output.index("["):])
+    text = path.read_text()
+    assert text.startswith(f"# written by `bench plan --model tiny --gpus 4 --gpus-per-node 2 --hardware cpu "
+                           f"--global-batch 8 --top 4 --json --emit-sweep {path}` on 20")  # the options as declared
+    assert "model tiny, 4 GPUs (2 per node), hardware cpu, global batch 8: the top 4 of" in text
+    exp = expand(load_sweep(path))
+    assert not exp.skipped and [c.run_id for c in exp.runs] == [c.run_id for c in _plan_configs(rows, "cpu")]
+    assert len(exp.runs) == 4
+    dry = CliRunner().invoke(app, ["sweep", str(path), "--dry-run"])
+    assert dry.exit_code == 0 and "4 run(s) to launch, 0 skipped" in dry.output, dry.output
+
+
+def test_plan_emit_sweep_for_a_gpu_cluster(tmp_path):
+    """A GPU plan's file targets its cluster (device cuda): it parses and expands to the same K configs."""
+    import yaml
+
+    from bench.analysis.planner import sweep_text
+    from bench.sweep.spec import expand, parse_sweep
+    result = plan("gpt2-124m", 64, 8, "h100-sxm", 256, top=3)
+    text = sweep_text(result, "gpt2-124m", 64, 8, "h100-sxm", 256, "bench plan …", "today")
+    spec = parse_sweep(yaml.safe_load(text), "top.yaml")
+    exp = expand(spec)
+    assert [c.run_id for c in exp.runs] == [c.run_id for c in _plan_configs(result.configs, "cuda")]
+    assert all(c.device == "cuda" and c.world == 64 for c in exp.runs)
+
+
 @pytest.mark.parametrize("model,gpus,batch", [("tiny", 8, 16), ("gpt2-124m", 24, 48)])
 def test_plan_validation_caches_agree_with_runconfig(model, gpus, batch):
     """The planner caches each validation layer on the fields it reads; every candidate gets

@@ -96,7 +96,8 @@ for file, named in {"steps_huge": "base.steps", "timeout_huge": "base.timeout_s"
                     "binary": "binary", "truncated": "malformed YAML", "a_list": "mapping",
                     "fault_sleep_abc": "base.fault", "dp_zero_in_grid": "grid.dp[1]",
                     "bucket_inf_in_grid": "grid.bucket_mb[1]", "slurm_poll_nan": "launcher.poll_s",
-                    "slurm_mem_negative": "launcher.mem_gb"}.items():
+                    "slurm_mem_negative": "launcher.mem_gb", "prune_factor_text": "prune.slower_than_best",
+                    "prune_a_list": "prune: must be a mapping"}.items():
     case(f"sweep-file-{file}", ["sweep", f"{{inp}}/sweeps/{file}.yaml", "--dry-run"], f"{file}.yaml", named)
 case("sweep-file-is-a-folder", ["sweep", "{d}/folder.yaml", "--dry-run"], "folder.yaml")
 case("sweep-file-missing", ["sweep", "{d}/missing.yaml", "--dry-run"], "missing.yaml")

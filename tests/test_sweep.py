@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.config import RunConfig
 from bench.results import Status
 from bench.sweep.spec import SweepError, expand, load_sweep, parse_sweep
 from bench.sweep.store import SCHEMA_VERSION, load_results
@@ -96,6 +97,124 @@ def test_example_sweeps_expand():
     paper = expand(load_sweep(ROOT / "sweeps" / "paper-3d.yaml"))
     assert sorted((c.tp, c.pp) for c in paper.runs) == [(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8)]
     assert all(c.world == 64 and c.dp == 64 // (c.tp * c.pp) for c in paper.runs)
+
+
+def test_runs_list_explicit_configs_crossed_with_the_grid():
+    exp = expand(_spec(base={"steps": 2}, grid={"backend": ["native", "ddp"]},
+                       runs=[{"dp": 2}, {"pp": 2, "dp": 1, "schedule": "gpipe"}]))
+    assert [(c.backend, c.pp, c.dp, c.schedule) for c in exp.runs] == [
+        ("native", 1, 2, "1f1b"), ("native", 2, 1, "gpipe"), ("ddp", 1, 2, "1f1b")]
+    assert "data parallel only" in exp.skipped[0]["error"]  # ddp pp 2: a skipped row, as from a grid
+    alone = expand(_spec(runs=[{"tp": 2, "dp": 1}, {"dp": 2}]))  # no grid: exactly the runs, in order
+    assert [(c.tp, c.dp) for c in alone.runs] == [(2, 1), (1, 2)]
+
+
+# --- prune: the analytic model skips configs before anything launches (bench/sweep/prune.py) ------------
+
+def _planned(tmp_path, launcher="local", **data):
+    from bench.sweep.runner import make_launcher, plan
+    spec = _spec(**data)
+    return plan(spec, make_launcher(spec, tmp_path, launcher))
+
+
+def test_prune_slower_than_best_skips_with_the_predicted_figures(tmp_path):
+    from bench.analysis.estimate import predict_row
+    exp = _planned(tmp_path, world_size=2, base={"device": "cpu", "dtype": "fp32"},
+                         grid={"tp": [1, 2], "dp": "auto"}, zip=[{"micro_batch": [1, 2], "micro_batches": [4, 2]}],
+                         prune={"slower_than_best": 2.0})
+    unpruned = expand(_spec(world_size=2, base={"device": "cpu", "dtype": "fp32"}, grid={"tp": [1, 2], "dp": "auto"},
+                            zip=[{"micro_batch": [1, 2], "micro_batches": [4, 2]}]))
+    tps = {c.run_id: predict_row(c, "cpu")["pred_tokens_per_s"] for c in unpruned.runs}
+    best = max(tps.values())
+    slow = {i for i, t in tps.items() if best / t > 2.0}
+    assert slow and len(slow) < len(tps)  # tp 2 on CPU: every tp collective on the critical path
+    assert {r["run_id"] for r in exp.skipped} == slow == exp.pruned  # ids as without prune: resume finds them
+    assert {c.run_id for c in exp.runs} == set(tps) - slow
+    for row in exp.skipped:
+        assert row["status"] == "skipped" and row["tp"] == 2
+        pred = predict_row(RunConfig(**{k: row[k] for k in ("model", "tp", "dp", "micro_batch", "micro_batches",
+                                                            "device", "dtype")}), "cpu")
+        assert row["error"].startswith(f"pruned: predicted {pred['pred_step_time_s'] * 1e3:.3g} ms/step, "
+                                       f"{pred['pred_tokens_per_s']:,.0f} tokens/s on cpu")
+        assert f"{best / pred['pred_tokens_per_s']:.1f}× the best predicted time per token" in row["error"]
+        assert "native tp=1 pp=1 dp=2" in row["error"] and row["error"].endswith("prune.slower_than_best = 2")
+    assert set(exp.predictions) == set(tps)  # every run predicted, pruned or not
+
+
+def test_prune_compares_time_per_token_across_global_batches(tmp_path):
+    """pp 2 · dp 1 takes less time per step than dp 2 but does half the tokens: per token it is slower."""
+    exp = _planned(tmp_path, world_size=2, base={"device": "cpu", "dtype": "fp32", "micro_batch": 4},
+                         grid={"pp": [1, 2], "dp": "auto"}, prune={"slower_than_best": 1.5})
+    preds = exp.predictions
+    (kept,), (pruned,) = exp.runs, exp.skipped
+    assert pruned["pp"] == 2 and preds[pruned["run_id"]].step_time_s < preds[kept.run_id].step_time_s
+    assert preds[pruned["run_id"]].tokens_per_s * 1.5 < preds[kept.run_id].tokens_per_s
+
+
+def test_prune_fit_uses_the_named_profile_memory(tmp_path):
+    hw = tmp_path / "small-gpu.yaml"
+    hw.write_text("name: small-gpu\npeak_flops: {fp32: 10T}\nmemory_bytes: 6MiB\nintra_node_bw: 10GB\n"
+                  "inter_node_bw: 1GB\n")
+    exp = _planned(tmp_path, base={"device": "cpu", "dtype": "fp32"},
+                         zip=[{"micro_batch": [8, 1], "micro_batches": [1, 8]}], grid={"seed": [0]},
+                         prune={"fit": True, "hardware": str(hw)})
+    (kept,), (pruned,) = exp.runs, exp.skipped
+    assert (kept.micro_batch, pruned["micro_batch"]) == (1, 8)
+    peak = exp.predictions[pruned["run_id"]].peak_bytes
+    assert peak > 6 * 2**20 > exp.predictions[kept.run_id].peak_bytes
+    assert pruned["error"] == (f"pruned: predicted peak memory {peak / 2**20:,.1f} MiB per rank exceeds the 6.0 MiB "
+                               "a rank has on small-gpu (datasheet) (one device's 6.0 MiB); prune.fit = true")
+
+
+def test_prune_on_cpu_shares_the_host_memory_and_unknown_gpus_warn(tmp_path):
+    from bench.analysis.estimate import row_hardware
+    hw = row_hardware("cpu")
+    exp = _planned(tmp_path, world_size=2, base={"device": "cpu"}, grid={"dp": "auto"}, prune={"fit": True})
+    (pred,) = exp.predictions.values()
+    assert pred.rank_memory == hw.memory_bytes * hw.gpus_per_node / 2 and "shared by 2 rank(s)" in pred.memory_note
+    assert exp.runs and not exp.skipped  # the tiny model fits
+    gpu = _planned(tmp_path, "slurm", world_size=2, base={"device": "cuda"}, grid={"dp": "auto"},
+                      prune={"fit": True, "slower_than_best": 2.0})
+    assert gpu.runs and not gpu.pruned  # the slurm hosts' GPUs are unknown here: nothing pruned, and it says so
+    assert any("no hardware profile for device cuda with the slurm launcher" in w for w in gpu.warnings)
+    assert any("nothing is pruned by fit" in w for w in gpu.warnings)
+
+
+def test_pruned_rows_never_block_a_later_unpruned_run(tmp_path):
+    """In-process (debug launcher, world 1): a pruned run's skipped row is replaced by its measurement when
+    the sweep runs again without prune (--resume), under the same id; pruning again keeps the measurement."""
+    from bench.sweep.runner import run_sweep
+    sweep = "name: prune-resume\nbase: {steps: 1, warmup: 0, device: cpu}\ngrid: {recompute: [none, full]}\n" \
+            "launcher: debug\n"
+    pruned = load_sweep(_write(tmp_path / "p.yaml", sweep + "prune: {slower_than_best: 1.05}\n"))
+    first = run_sweep(pruned, tmp_path / "out", progress=False)
+    assert first.counts["ok"] == 1 and first.counts["skipped"] == 1
+    (skipped,) = [r for r in first.rows if r["status"] == "skipped"]
+    assert skipped["recompute"] == "full" and skipped["error"].startswith("pruned: predicted")
+    full = load_sweep(_write(tmp_path / "f.yaml", sweep))
+    again = run_sweep(full, tmp_path / "out", resume=True, progress=False)
+    assert again.resumed == 1 and [(r["run_id"], r["status"]) for r in again.rows] == [(skipped["run_id"], "ok")]
+    third = run_sweep(pruned, tmp_path / "out", resume=True, progress=False)
+    assert third.rows == [] and third.resumed == 2
+    assert set(load_results(tmp_path / "out").status) == {"ok"}
+
+
+def test_dry_run_shows_every_prediction_and_the_pruned_reason(tmp_path):
+    path = _write(tmp_path / "d.yaml", "world_size: 2\nbase: {device: cpu, dtype: fp32}\n"
+                                       "grid: {tp: [1, 2], dp: auto}\nprune: {slower_than_best: 2.0}\n")
+    done = subprocess.run([BENCH, "sweep", str(path), "--dry-run"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "COLUMNS": "400"})
+    assert done.returncode == 0, done.stderr
+    assert "pred ms/step" in done.stdout and "pred tokens/s" in done.stdout and "pred peak MiB" in done.stdout
+    assert "1 run(s) to launch, 1 skipped (1 pruned)" in done.stdout and "predicted on cpu" in done.stdout
+    assert "pruned: predicted" in done.stdout and "prune.slower_than_best = 2" in done.stdout
+    spec = load_sweep(path)
+    from bench.analysis.estimate import predict_row
+    for cfg in expand(spec).runs:  # each run's predicted figures are in its line
+        pred = predict_row(cfg, "cpu")
+        line = next(ln for ln in done.stdout.splitlines() if cfg.run_id in ln)
+        assert f"{pred['pred_step_time_s'] * 1e3:.3g}" in line and f"{pred['pred_tokens_per_s']:,.0f}" in line
+        assert f"{pred['pred_total_bytes'] / 2**20:,.1f}" in line
 
 
 # --- bad input: one clear message, exit 2, nothing launched -----------------------------------------------

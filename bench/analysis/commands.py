@@ -157,13 +157,18 @@ def _print_estimate(est: dict) -> None:
 @_MIXED
 @_ACTS
 @click.option("--json", "as_json", is_flag=True, help="a list of configs, best first (RunConfig fields + predictions)")
+@click.option("--emit-sweep", "emit", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="also write the top configs as a sweep file (runs: one entry each) for "
+                   "`bench sweep FILE --launcher slurm`")
 def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, memory_fraction, engines, mixed_state,
-         activations, as_json):
+         activations, as_json, emit):
     """Rank every valid (tp, pp, dp, sharding, schedule, micro-batch, order) config by predicted throughput."""
     from bench.analysis.planner import describe
     from bench.analysis.planner import plan as make_plan
     result = make_plan(model, gpus, gpus_per_node, hardware, global_batch, seq, top, dtype, mixed_state,
                        activations, memory_fraction, engines)
+    if emit and result.configs:
+        _emit_sweep(emit, result, model, gpus, gpus_per_node, hardware, global_batch)
     if as_json:
         echo_json(result.configs)
         return
@@ -181,6 +186,38 @@ def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, me
                    f"(compute {row['compute_s']:.2f}, comm tp {row['comm_tp_s']:.2f} pp {row['comm_pp_s']:.2f} "
                    f"dp {row['comm_dp_exposed_s']:.2f}, bubble {row['bubble_s']:.2f})  "
                    f"memory {_gib(row['total_bytes'])} (act {_gib(row['activation_bytes'])})")
+
+
+def _emit_sweep(path: str, result, model: str, gpus: int, gpus_per_node: int, hardware: str,
+                global_batch: int) -> None:
+    """Write the plan's top configs as a sweep file (write then rename: never half a file)."""
+    import os
+    import time
+    from pathlib import Path
+
+    from bench.analysis.planner import sweep_text
+    text = sweep_text(result, model, gpus, gpus_per_node, hardware, global_batch, _command_line(),
+                      time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+    click.echo(f"wrote {target} ({len(result.configs)} run(s)): bench sweep {target} --launcher slurm", err=True)
+
+
+def _command_line() -> str:
+    """The running command as it was given: the options set on the command line, in declaration order."""
+    import shlex
+
+    from click.core import ParameterSource
+    ctx = click.get_current_context()
+    parts = [f"bench {ctx.info_name}"]
+    for param in ctx.command.params:
+        if ctx.get_parameter_source(param.name) != ParameterSource.COMMANDLINE:
+            continue
+        value = ctx.params[param.name]
+        parts.append(param.opts[0] if param.is_flag else f"{param.opts[0]} {shlex.quote(str(value))}")
+    return " ".join(parts)
 
 
 @click.command("validate")

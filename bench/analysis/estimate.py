@@ -163,13 +163,13 @@ PRED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes
              "bubble_fraction", "flops_per_step")
 
 
-def predict_row(cfg, device_name: str | None = None) -> dict:
+def predict_row(cfg, device_name: str | None = None, hardware: Hardware | None = None) -> dict:
     """`pred_*` columns for a measured row: the backend's own precision convention and this
     suite's activations (no dropout, fused attention), and the step time on the profile of the device
-    it ran on (`row_hardware`). Never raises: a row is worth more than its prediction (a failure is
-    recorded in `pred_error`)."""
+    it ran on (`row_hardware`), or on `hardware` (a sweep pruning before anything ran). Never raises: a
+    row is worth more than its prediction (a failure is recorded in `pred_error`)."""
     try:
-        return _predict_row(cfg, device_name)
+        return _predict_row(cfg, device_name, hardware)
     except Exception as e:  # noqa: BLE001
         return {"pred_error": f"{type(e).__name__}: {e}"}
 
@@ -188,7 +188,7 @@ TIME_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "overhead_s", "c
              "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s", "optimizer_s")
 
 
-def _predict_row(cfg, device_name: str | None = None) -> dict:
+def _predict_row(cfg, device_name: str | None = None, hardware: Hardware | None = None) -> dict:
     state = default_mixed_state(cfg)
     est = estimate(cfg, mixed_state=state, activations="suite")
     out = {f"pred_{k}": est[k] for k in PRED_KEYS}
@@ -196,7 +196,7 @@ def _predict_row(cfg, device_name: str | None = None) -> dict:
         out[f"pred_{k}"] = max(s[k] for s in est["stages"])  # per column, as the measured row
     for name in comm_columns():
         out[f"pred_{name}"] = est[name]
-    hw = row_hardware(device_name)
+    hw = hardware or row_hardware(device_name)
     if hw is not None:
         t = predict_time(stage_plan(cfg), hw, state, "suite")
         t["comm_exposed_s"] = t["exposed_comm_s"]

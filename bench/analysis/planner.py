@@ -245,3 +245,48 @@ def describe(row: dict) -> str:
     if row["order"] != "tp-pp-dp":
         parts.append(f"--order {row['order']}")
     return " ".join(parts)
+
+
+# --- the plan as a sweep file (`bench plan --emit-sweep FILE`) -------------------------------------------
+
+SWEEP_FIELDS = tuple(f.name for f in fields(Shape) if f.name not in ("model", "model_overrides"))
+
+
+def plan_device(hardware: str | Hardware) -> str:
+    """The device the plan's configs run on (and were validated for): cpu for the cpu profile."""
+    return "cpu" if get_hardware(hardware).name == "cpu" else "cuda"
+
+
+def sweep_text(result: Plan, model: str, gpus: int, gpus_per_node: int, hardware: str, global_batch: int,
+               command: str, when: str) -> str:
+    """The top configs of `result` as a sweep file (bench/sweep/spec.py): the values they share in
+    `base`, the rest one entry of `runs` each (best first, its prediction in a comment), so the
+    sweep expands to exactly these configs."""
+    import yaml
+    rows = [{**{k: row[k] for k in SWEEP_FIELDS if row[k] is not None}, "device": plan_device(hardware)}
+            for row in result.configs]
+    shared = {k: v for k, v in rows[0].items() if all(r.get(k) == v for r in rows)} if len(rows) > 1 else {}
+    hw = get_hardware(hardware)
+    lines = [f"# written by `{command}` on {when}",
+             (f"# model {model}, {gpus} GPUs ({gpus_per_node} per node), hardware {hw.name}, global batch "
+              f"{global_batch}: the top {len(rows)} of {result.fitting:,} fitting configs by predicted tokens/s"),
+             "# run it on the cluster the plan was made for: bench sweep THIS_FILE --launcher slurm [--profile NAME];",
+             "# its --dry-run predicts each run as its row will (the backend's own state and activation conventions)",
+             f"name: plan-{model}-{gpus}",
+             f"model: {model}",
+             "base: " + _flow(yaml, shared),
+             "runs:"]
+    for i, (row, full) in enumerate(zip(rows, result.configs), 1):
+        own = {k: v for k, v in row.items() if k not in shared}
+        lines.append(f"  - {_flow(yaml, own)}"
+                     f"   # {i}. predicted {full['tokens_per_s']:,.0f} tokens/s, step {full['step_time_s']:.4g} s, "
+                     f"MFU {full['mfu']:.1%}, {_size(full['total_bytes'])} per rank")
+    return "\n".join(lines) + "\n"
+
+
+def _flow(yaml, values: dict) -> str:
+    return yaml.safe_dump(values, default_flow_style=True, sort_keys=False, width=10**6).strip()
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"

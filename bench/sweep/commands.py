@@ -8,7 +8,8 @@ COMMANDS: list[click.Command] = []
 
 @click.command("sweep")
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--dry-run", is_flag=True, help="print the expanded runs (and skipped ones, with the reason); launch nothing")
+@click.option("--dry-run", is_flag=True, help="print the expanded runs with their predicted step time, tokens/s and "
+                                              "peak memory (and skipped or pruned ones, with the reason); launch nothing")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="output folder (default results/<name>/)")
 @click.option("--resume", is_flag=True, help="skip runs already stored in OUT (ok or not); run the missing ones")
 @click.option("--retry-failed", is_flag=True, help="like --resume, but rerun stored failed/oom/timeout/cancelled runs")
@@ -37,7 +38,9 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
         raise click.UsageError("--profile applies to the slurm launcher; add --launcher slurm")
     out = Path(out or Path("results") / spec.name)
     launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
-    exp = plan(spec, launch)  # every error before any launch
+    exp = plan(spec, launch, predict=dry_run)  # every error before any launch
+    from bench.sweep.prune import warn
+    warn(exp.warnings)
     console = Console(highlight=False, width=max(Console().width, 140))
     if dry_run:
         table, counts = dry_run_table(spec, exp, launch)

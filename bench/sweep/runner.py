@@ -15,7 +15,7 @@ from pathlib import Path
 from bench.config import ConfigError, RunConfig
 from bench.results import PROBLEMS, Status, skipped_row
 from bench.sweep.launcher import Launcher
-from bench.sweep.spec import Expansion, SweepError, SweepSpec, expand
+from bench.sweep.spec import Expansion, SweepError, SweepSpec, describe, expand
 from bench.sweep.store import ResultStore
 
 
@@ -54,9 +54,11 @@ class SweepOutcome:
     """Runs not launched because a previous invocation stored them."""
 
 
-def plan(spec: SweepSpec, launch: Launcher) -> Expansion:
-    """Expand the sweep; runs the launcher cannot place become skipped rows too. Raises SweepError when
-    nothing at all can run (an impossible layout, say): that is a mistake in the file, not a result."""
+def plan(spec: SweepSpec, launch: Launcher, predict: bool = False) -> Expansion:
+    """Expand the sweep; runs the launcher cannot place become skipped rows too, and so do the runs the
+    file's `prune:` rules out (every run is then predicted; `predict` predicts them for a dry run without
+    rules). Raises SweepError when nothing at all can run (an impossible layout, say): that is a
+    mistake in the file, not a result."""
     exp = expand(spec)
     if launch.kind == "local":
         _check_local_size(spec, exp)
@@ -72,6 +74,9 @@ def plan(spec: SweepSpec, launch: Launcher) -> Expansion:
         first = exp.skipped[0]
         raise SweepError(spec.source, "grid", f"no runnable combination: all {len(exp.skipped)} expanded run(s) "
                                               f"are invalid, e.g. {describe(first)}: {first['error']}")
+    if spec.prune or predict:
+        from bench.sweep.prune import prune
+        exp.warnings += prune(spec, exp, launch)
     return exp
 
 
@@ -135,10 +140,13 @@ def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, pro
 
     todo = []
     for row in exp.skipped:
+        if row["run_id"] in exp.pruned and stored.get(row["run_id"]) not in (None, Status.SKIPPED):
+            outcome.resumed += 1  # a stored outcome outranks a prediction: keep it
+            continue
         record(row)
     for cfg in exp.runs:
-        previous = stored.get(cfg.run_id)
-        if previous == Status.OK or (previous is not None and not retry_failed):
+        previous = stored.get(cfg.run_id)  # a stored skipped row (pruned, unplaceable then) is not done
+        if previous == Status.OK or (previous not in (None, Status.SKIPPED) and not retry_failed):
             outcome.resumed += 1
         else:
             todo.append(cfg)
@@ -170,20 +178,6 @@ def check_profile(runs: list[RunConfig], launch: Launcher, out: Path) -> None:
                          "profile with --launcher local or debug")
     from bench.metrics.profile import check_writable
     check_writable(out / "runs")
-
-
-def describe(cfg: RunConfig | dict) -> str:
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    text = f"{get('backend')} tp={get('tp')} pp={get('pp')} dp={get('dp')}"
-    if get("backend") == "deepspeed" or get("zero"):
-        text += f" zero={get('zero')}"
-    if get("fsdp"):
-        text += f" fsdp={get('fsdp')}"
-    if get("fault") not in (None, "none"):
-        text += f" fault={get('fault')}"
-    if get("repeat"):
-        text += f" repeat={get('repeat')}"
-    return text
 
 
 class SweepProgress:
@@ -267,16 +261,20 @@ def dry_run_table(spec: SweepSpec, exp: Expansion, launch: Launcher | None = Non
     rows = [{**c.to_row(), "status": "planned", "error": ""} for c in exp.runs] + exp.skipped
     columns = _varying(rows)
     table = Table(title=f"sweep {spec.name} ({spec.source})", show_lines=False)
-    for name in ("#", "run_id", *columns, "status", "reason"):
-        table.add_column(name, overflow="fold", max_width=70 if name == "reason" else None)
+    for name in ("#", "run_id", *columns, "status", *PREDICTED, "reason"):
+        table.add_column(name, overflow="fold", max_width=70 if name == "reason" else None,
+                         justify="right" if name in PREDICTED else "left")
     for i, row in enumerate(rows, 1):
         status = "[green]planned[/]" if row["status"] == "planned" else "[yellow]skipped[/]"
         table.add_row(str(i), row["run_id"], *(_cell(row.get(c)) for c in columns), status,
-                      escape(row.get("error") or ""))
+                      *_predicted(exp.predictions.get(row["run_id"])), escape(row.get("error") or ""))
     worlds = sorted({c.world for c in exp.runs})
     kind = launch.kind if launch is not None else spec.launcher.kind
-    counts = (f"{len(exp.runs)} run(s) to launch, {len(exp.skipped)} skipped, {exp.excluded} excluded, "
-              f"{exp.duplicates} duplicate(s); world sizes {worlds or '-'}; launcher {kind}")
+    counts = (f"{len(exp.runs)} run(s) to launch, {len(exp.skipped)} skipped ({len(exp.pruned)} pruned), "
+              f"{exp.excluded} excluded, {exp.duplicates} duplicate(s); world sizes {worlds or '-'}; launcher {kind}")
+    profiles = sorted({p.hardware for p in exp.predictions.values() if p.hardware})
+    if profiles:
+        counts += f"; predicted on {', '.join(profiles)}"
     if kind == "slurm":
         p = launch.profile
         shapes = sorted({p.shape(c) for c in exp.runs})
@@ -284,6 +282,18 @@ def dry_run_table(spec: SweepSpec, exp: Expansion, launch: Launcher | None = Non
                    + f"; one job per run, arrays of ≤ {p.max_parallel} at once"
                    + (", --exclusive" if p.exclusive else "") + ")")
     return table, counts
+
+
+PREDICTED = ("pred ms/step", "pred tokens/s", "pred peak MiB")
+
+
+def _predicted(p) -> tuple[str, str, str]:
+    """A run's predicted step time, tokens/s and largest rank's peak memory (bench/sweep/prune.py)."""
+    if p is None:
+        return ("-",) * 3
+    return (f"{p.step_time_s * 1e3:.3g}" if p.step_time_s else "-",
+            f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-",
+            f"{p.peak_bytes / 2**20:,.1f}" if p.peak_bytes is not None else "-")
 
 
 def summary_table(rows: list[dict], title: str):

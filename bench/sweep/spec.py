@@ -16,6 +16,9 @@ A sweep file (loaded with `yaml.safe_load`; every key is optional except `grid`)
     backends:                        # options (axes) that apply to one backend only
       deepspeed: {zero: [0, 3]}
     deepspeed: {zero_optimization: {overlap_comm: false}}   # → ds_set of the deepspeed runs (dotted keys)
+    runs:                            # explicit configs (each one point, crossed with the grid if any;
+      - {tp: 2, pp: 1, dp: 2}        # a sweep needs a grid, runs, or both): what `bench plan --emit-sweep` writes
+      - {tp: 1, pp: 2, dp: 2, schedule: gpipe}
     exclude:                         # a run matching every key of one rule is left out
       - {backend: fsdp, pp: 2}
     repeats: 1                       # runs per config (noise); the `repeat` field tells them apart
@@ -23,6 +26,10 @@ A sweep file (loaded with `yaml.safe_load`; every key is optional except `grid`)
                                      # (A B C A B C: drift hits every backend alike); blocked: A A B B C C
     launcher: local                  # local | debug | slurm | {kind: slurm, profile: local, nodes: 2, ...}
     report: true                     # write the HTML/Markdown report to OUT/report/ after the sweep
+    prune: {fit: true, slower_than_best: 2.0}   # skip, as rows with the predicted figures, configs the
+                                     # analytic model predicts not to fit in device memory, or slower per
+                                     # token than K × the best predicted config (bench/sweep/prune.py);
+                                     # hardware: NAME picks the profile (default: the runs' device's)
 
 The file is read into pydantic v2 models (`SweepFile` below) whose value types are built from
 RunConfig's and GPTConfig's own fields, so a new RunConfig field is a sweep key with no edit here;
@@ -52,8 +59,9 @@ from bench.results import skipped_row
 from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
 from models.config import PRESETS, GPTConfig
 
-TOP_KEYS = ("name", "model", "world_size", "base", "grid", "zip", "backends", "deepspeed", "exclude", "repeats",
-            "repeat_order", "launcher", "report")
+TOP_KEYS = ("name", "model", "world_size", "base", "grid", "runs", "zip", "backends", "deepspeed", "exclude",
+            "repeats", "repeat_order", "launcher", "report", "prune")
+PRUNE_KEYS = ("fit", "slower_than_best", "hardware")
 REPEAT_ORDERS = ("interleaved", "blocked")
 LAUNCHERS = ("local", "slurm", "debug")
 RUN_FIELDS = {f.name: f for f in fields(RunConfig)}
@@ -73,6 +81,17 @@ class LauncherSpec:
     profile: str | None = None
     options: dict = field(default_factory=dict)
     """Profile keys the sweep file overrides (validated against the profile by bench.sweep.slurm)."""
+
+
+@dataclass(frozen=True)
+class PruneSpec:
+    """`prune:` which configs the analytic model may skip before anything launches (bench/sweep/prune.py)."""
+    fit: bool = False
+    """Skip configs predicted not to fit in the device memory of the hardware profile."""
+    slower_than_best: float | None = None
+    """Skip configs whose predicted time per token is more than this many times the sweep's best."""
+    hardware: str | None = None
+    """The profile to predict on; None: the runs' device's (cpu → the `cpu` profile, a local GPU → its own)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,9 @@ class SweepSpec:
     """interleaved: every config's repeat k runs before any repeat k+1; blocked: a config's repeats back to back."""
     model_axes: dict = field(default_factory=dict)
     """Model field → tuple of values (`model: {kv_heads: [1, 2]}`): each value one more model override."""
+    runs: tuple[dict, ...] = ()
+    """Explicit points (`runs: [{tp: 2, dp: 2}, …]`), one factor of the expansion like a zip group."""
+    prune: PruneSpec | None = None
 
 
 @dataclass
@@ -105,6 +127,12 @@ class Expansion:
     """Rows (status skipped, error = the reason) for combinations that cannot run."""
     excluded: int = 0
     duplicates: int = 0
+    pruned: set = field(default_factory=set)
+    """run_ids that `prune:` turned into skipped rows (bench/sweep/prune.py)."""
+    predictions: dict = field(default_factory=dict)
+    """run_id → bench.sweep.prune.Prediction, filled when the sweep is planned."""
+    warnings: list = field(default_factory=list)
+    """Lines to show once (e.g. why nothing could be pruned)."""
 
 
 # --- the file's schema: pydantic models built from RunConfig and GPTConfig (bench/typed_yaml.py: why) -------
@@ -277,6 +305,35 @@ class LauncherBlock(BaseModel):
         return self
 
 
+class PruneBlock(BaseModel):
+    """`prune: {fit: true, slower_than_best: 2.0, hardware: h100-sxm}`."""
+    model_config = STRICT
+    fit: bool = False
+    slower_than_best: Optional[float] = None
+    hardware: Optional[str] = None
+
+    @field_validator("slower_than_best", mode="before")
+    @classmethod
+    def _factor(cls, value):
+        reason = check_number("slower_than_best", value, False, (1, 1e9, False))
+        if reason:
+            raise mistake(reason.removeprefix("slower_than_best ")
+                          + " (a factor ≥ 1: 2.0 skips configs predicted over twice as slow as the best)")
+        return float(value)
+
+    @field_validator("hardware", mode="before")
+    @classmethod
+    def _known_hardware(cls, value):
+        from bench.analysis.hardware import get_hardware
+        if not isinstance(value, str) or not value:
+            raise mistake(f"must be a hardware profile name or YAML file, got {value!r}")
+        try:
+            get_hardware(value)
+        except (ValueError, FileError) as e:
+            raise mistake(str(e)) from None
+        return value
+
+
 class SweepFile(BaseModel):
     """The keys of a sweep file (the module docstring shows each)."""
     model_config = STRICT
@@ -285,6 +342,7 @@ class SweepFile(BaseModel):
     world_size: Optional[list[int]] = None
     base: RunValues = RunValues()
     grid: Optional[RunAxes] = None
+    runs: list[RunValues] = []
     zip: list[RunAxes] = []
     backends: dict[str, RunAxes] = {}
     deepspeed: dict = {}
@@ -293,6 +351,7 @@ class SweepFile(BaseModel):
     repeat_order: Annotated[str, _choice("repeat_order", REPEAT_ORDERS)] = "interleaved"
     launcher: LauncherBlock = LauncherBlock()
     report: bool = False
+    prune: Optional[PruneBlock] = None
 
     @field_validator("name", mode="before")
     @classmethod
@@ -333,6 +392,27 @@ class SweepFile(BaseModel):
             raise mistake(MISSING_GRID)
         if not isinstance(value, dict) or not value:
             raise mistake(f"must be a non-empty mapping of axes (field: [values]), got {value!r}")
+        return value
+
+    @field_validator("runs", mode="before")
+    @classmethod
+    def _run_list(cls, runs):
+        if not isinstance(runs, list) or not runs:
+            raise mistake(f"must be a non-empty list of configs like {{tp: 2, dp: 2}}, got {runs!r}")
+        for i, run in enumerate(runs):
+            if not isinstance(run, dict) or not run:
+                raise mistake(f"a run is a non-empty mapping field: value, got {run!r}", i)
+            for name, value in run.items():
+                if isinstance(value, list) and name in RUN_FIELDS and field_types()[name][0] is not tuple:
+                    raise mistake(f"a run holds single values; give each config its own run, or put the list "
+                                  f"{value!r} under grid.{name}", i, name)
+        return runs
+
+    @field_validator("prune", mode="before")
+    @classmethod
+    def _prune_block(cls, value):
+        if not isinstance(value, dict):
+            raise mistake(f"must be a mapping like {{fit: true, slower_than_best: 2.0}}, got {kind(value)}")
         return value
 
     @field_validator("zip", mode="before")
@@ -393,9 +473,9 @@ class SweepFile(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.grid is None:
+        if self.grid is None and not self.runs:
             raise mistake(MISSING_GRID, "grid")
-        seen = {name: "grid" for name in self.grid.model_fields_set}
+        seen = {name: "grid" for name in (self.grid.model_fields_set if self.grid else ())}
         for i, group in enumerate(self.zip):
             for name in group.model_fields_set:
                 if name in seen:
@@ -404,16 +484,30 @@ class SweepFile(BaseModel):
         for name in self.base.model_fields_set:
             if name in seen:
                 raise mistake(f"{name} is also an axis in {seen[name]}; remove one of them", "base", name)
-        combinations = (math.prod(len(getattr(self.grid, n)) for n in self.grid.model_fields_set)
+        self._check_runs(seen)
+        combinations = (math.prod(len(getattr(self.grid, n)) for n in (self.grid.model_fields_set if self.grid else ()))
                         * math.prod(len(getattr(g, next(iter(g.model_fields_set)))) for g in self.zip)
-                        * self.repeats * len(self.world_size or [1]))
+                        * self.repeats * len(self.world_size or [1]) * max(len(self.runs), 1))
         if combinations > MAX_RUNS:
             raise mistake(f"{combinations:,} combinations (axes × repeats): more than {MAX_RUNS:,}, the most a "
                           "sweep expands; split it", "grid")
-        auto_in = "grid" if self.grid.dp == ["auto"] else "base" if self.base.dp == "auto" else None
-        if auto_in and self.world_size is None and "world_size" not in self.grid.model_fields_set:
+        grid_dp = self.grid.dp if self.grid else None
+        auto_in = "grid" if grid_dp == ["auto"] else "base" if self.base.dp == "auto" else None
+        if auto_in and self.world_size is None and "world_size" not in seen:
             raise mistake("dp: auto needs a world size: add a top-level `world_size: N`", auto_in, "dp")
         return self
+
+    def _check_runs(self, axes: dict) -> None:
+        """A run's key is not also an axis or a base value (which would win is not obvious); its dp: auto
+        needs a world size from somewhere."""
+        for i, run in enumerate(self.runs):
+            for name in run.model_fields_set:
+                if name in axes or name in self.base.model_fields_set:
+                    where = axes.get(name, "base")
+                    raise mistake(f"{name} is also given in {where}; give it in one place", "runs", i, name)
+            world_known = self.world_size is not None or "world_size" in axes or "world_size" in run.model_fields_set
+            if run.dp == "auto" and not world_known:
+                raise mistake("dp: auto needs a world size: add `world_size: N` to the run or the file", "runs", i, "dp")
 
 
 MAX_RUNS = 100_000
@@ -427,6 +521,8 @@ def _unknown_key(loc: tuple) -> str:
         return f"unknown key{suggest(key, TOP_KEYS)} (known: {', '.join(TOP_KEYS)})"
     if loc[0] == "model":
         return f"unknown model field{suggest(key, MODEL_FIELDS)} (known: {', '.join(MODEL_FIELDS)})"
+    if loc[0] == "prune":
+        return f"unknown prune key{suggest(key, PRUNE_KEYS)} (known: {', '.join(PRUNE_KEYS)})"
     if key in NOT_SETTABLE:
         return f"{key} cannot be set here: {NOT_SETTABLE[key]}"
     return f"unknown run config field{suggest(key, RUN_FIELDS)} (`bench run --help` lists them)"
@@ -458,7 +554,8 @@ def parse_sweep(data: Any, source: str = "<sweep>", default_name: str = "sweep")
         model_overrides=_overrides(file.model, data["model"] if isinstance(data.get("model"), dict) else ()),
         world_sizes=tuple(file.world_size) if file.world_size else None,
         base={k: getattr(file.base, k) for k in data.get("base") or {}},
-        grid=_axes(file.grid, data["grid"]),
+        grid=_axes(file.grid, data["grid"]) if file.grid else {},
+        runs=tuple({k: getattr(run, k) for k in raw} for run, raw in zip(file.runs, data.get("runs", []))),
         zips=tuple(_axes(group, raw) for group, raw in zip(file.zip, data.get("zip", []))),
         backends={b: _axes(block, data["backends"][b]) for b, block in file.backends.items()},
         ds_set=tuple(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in _flatten(file.deepspeed)),
@@ -467,7 +564,8 @@ def parse_sweep(data: Any, source: str = "<sweep>", default_name: str = "sweep")
         repeats=file.repeats, repeat_order=file.repeat_order, model_axes=model_axes,
         launcher=LauncherSpec(kind=launcher.kind, profile=(launcher.profile or "local") if launcher.kind == "slurm"
                               else None, options=options),
-        report=file.report)
+        report=file.report,
+        prune=PruneSpec(**file.prune.model_dump()) if file.prune else None)
 
 
 def _axes(block: BaseModel, raw: dict) -> dict:
@@ -481,6 +579,21 @@ def _flatten(block: dict, prefix: str = ""):
             yield from _flatten(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
+
+
+def describe(cfg: RunConfig | dict) -> str:
+    """A run in a few words (progress lines, skip reasons): the layout and what sets it apart."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    text = f"{get('backend')} tp={get('tp')} pp={get('pp')} dp={get('dp')}"
+    if get("backend") == "deepspeed" or get("zero"):
+        text += f" zero={get('zero')}"
+    if get("fsdp"):
+        text += f" fsdp={get('fsdp')}"
+    if get("fault") not in (None, "none"):
+        text += f" fault={get('fault')}"
+    if get("repeat"):
+        text += f" repeat={get('repeat')}"
+    return text
 
 
 # --- expansion --------------------------------------------------------------------------------------------
@@ -518,6 +631,8 @@ def _points(spec: SweepSpec):
     for group in spec.zips:
         n = len(next(iter(group.values())))
         factors.append([{name: values[i] for name, values in group.items()} for i in range(n)])
+    if spec.runs:
+        factors.append([dict(run) for run in spec.runs])
     if spec.model_axes:  # one factor: every combination of the model axes, as the overrides it adds
         names = list(spec.model_axes)
         factors.append([{"model_overrides": spec.model_overrides + tuple(map(_override, names, combo))}
