@@ -94,3 +94,23 @@ def test_profile_refused_for_a_launcher_without_this_file_system(tmp_path):
     with pytest.raises(ValueError, match="profile: the slurm launcher"):
         run_sweep(spec, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()  # nothing written, nothing submitted
+
+
+def test_peers_benchmark_runs_every_backend_interleaved_and_prints_the_ratio(tmp_path):
+    """benchmarks/peers.py end to end on the tiny model: one layout, two repeats of every backend; the
+    printed ratio is native's median over the best peer's, from those rows, and --summary re-reads it."""
+    out = tmp_path / "peers"
+    cmd = [sys.executable, "benchmarks/peers.py", "--model", "tiny", "--layouts", "dp2", "--dtypes", "fp32",
+           "--micro-batch", "2", "--repeats", "2", "--steps", "1", "--warmup", "0", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    df = load_results(out)
+    assert set(df.backend) == {"native", "ddp", "fsdp", "deepspeed"} and (df.status == "ok").all()
+    assert sorted(df.groupby("backend").size()) == [2, 2, 2, 2]
+    median = df.groupby("backend").step_time_s.median()
+    best = median.drop("native").idxmin()
+    line = next(x for x in done.stdout.splitlines() if x.startswith("dp2"))
+    assert f"ratio {median['native'] / median[best]:.3f} vs {best}" in line
+    again = subprocess.run([sys.executable, "benchmarks/peers.py", "--summary", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and line.split("(of minima")[0] in again.stdout
