@@ -72,12 +72,12 @@ class Bucket:
             self.work = dist.all_reduce(self.grads, group=self.group, async_op=True)
 
     def wait(self) -> None:
-        """Finish the reduction and turn the sum into the mean over dp replicas."""
+        """Finish the reduction. The sum is already the mean over dp replicas: backward starts from the
+        loss × 1/dp (`Pipeline.grad_scale`), which saves a pass over every gradient after the reduction."""
         if self.dp == 1:
             return
         self.launch()
         self.work.wait()
-        (self.shard.grad if self.zero else self.grads).div_(self.dp)
 
     def gather_params(self) -> None:
         """ZeRO-1, after the optimizer step: every rank's updated shard → all params (N_pad,)."""

@@ -113,6 +113,13 @@ class Pipeline:
         # test-only (fault stage_sleep:MS): every compute section also sleeps, so stage compute dominates
         self.stage_sleep_s = (parse_fault(run_cfg.fault).get("stage_sleep") or 0.0) / 1e3
         self.loss_scale = 1.0  # fp16-mixed: the trainer's dynamic loss scale (bench.loss_scale)
+        self.dp = groups.size("dp")
+
+    @property
+    def grad_scale(self) -> float:
+        """What backward multiplies every gradient by: the loss scale (fp16-mixed), and 1/dp, so that the
+        data-parallel sum of the gradients is their mean with no division after it."""
+        return self.loss_scale / self.dp
 
     def _test_delay(self) -> None:
         if self.stage_sleep_s:
@@ -180,8 +187,8 @@ class Pipeline:
         x, out = saved
         sid = self._sid(chunk)
         grad = None if received is None else received.wait()  # (b, s[/tp], h) like `out`
-        if grad is None and self.loss_scale != 1.0:  # the last stage: backward of the scaled loss
-            out = out * self.loss_scale  # every gradient × scale
+        if grad is None and self.grad_scale != 1.0:  # the last stage: backward of the scaled loss
+            out = out * self.grad_scale  # every gradient × scale
         with self.meter.compute():
             torch.autograd.backward(out, grad)
             self._test_delay()
