@@ -180,35 +180,36 @@ def matmul_loop(k: int, window_s: float, n: int = 256) -> float | None:
 
 # --- collectives (ranks < group) ------------------------------------------------------------------
 def measure_collectives(group: int, sizes: tuple, window_s: float) -> dict | None:
-    """{op: [[payload bytes, seconds], ...]} on a default group of `group` ranks."""
+    """{op: [[payload bytes, seconds], ...]} in groups of `group` ranks, every group of the pool busy
+    at once (as a layout's tp or dp groups run side by side); ranks past the last whole group idle."""
     rank = int(os.environ["RANK"])
-    if rank >= group:
-        return None
     import torch
     import torch.distributed as dist
     from bench.distributed import init_from_env
-    os.environ["WORLD_SIZE"] = str(group)
     dev = _device()
-    init_from_env(dev, timeout_s=120)
+    world = init_from_env(dev, timeout_s=120)[1]
     try:
+        blocks = [list(range(s, s + group)) for s in range(0, world - group + 1, group)]
+        made = [dist.new_group(b) for b in blocks]  # collective: every rank makes every group
+        mine = next((g for b, g in zip(blocks, made) if rank in b), None)
         out = {op: [] for op in OPS}
         for nbytes in sizes:
             n = max(1, nbytes // 4)
             n = -(-n // group) * group
             full, part = torch.ones(n, device=dev), torch.ones(n // group, device=dev)
             peer = rank ^ 1
-            ops = {"all_reduce": lambda: dist.all_reduce(full),
-                   "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-                   "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
-                   "send": lambda: _ping(full, peer, rank) if peer < group else None}
+            ops = {"all_reduce": lambda: dist.all_reduce(full, group=mine),
+                   "all_gather": lambda: dist.all_gather_into_tensor(full, part, group=mine),
+                   "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=mine),
+                   "send": lambda: _ping(full, peer, rank) if peer < world else None}
             reps = 30 if nbytes < 1 << 16 else 4
             for op, fn in ops.items():
                 dist.barrier()
-                out[op].append([4.0 * n, per_call(fn, dev, window_s, reps)])
-        return out
+                if mine is not None:
+                    out[op].append([4.0 * n, per_call(fn, dev, window_s, reps)])
+        return out if mine is not None else None
     finally:
         dist.destroy_process_group()
-        os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"]
 
 
 def _ping(x, peer: int, rank: int) -> None:

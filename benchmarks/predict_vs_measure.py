@@ -84,8 +84,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16-mixed"])
     ap.add_argument("--calibrate", action="store_true",
-                    help="first run `bench calibrate --quick` into a temporary profiles folder, so that the profile "
-                         "sees the machine as loaded as the measurement does (a shared machine)")
+                    help="first run `bench calibrate --world W` (W: the set's largest world) into a temporary "
+                         "profiles folder, so that the profile sees the machine as the measurement does")
     ap.add_argument("--out", default=None, help="also write the rows to OUT/runs/<run_id>.json (for `bench report OUT`)")
     args = ap.parse_args()
     cfgs = configs(args.set, args.steps, args.warmup, args.dtype)
@@ -107,7 +107,7 @@ def calibrate_now(world: int) -> None:
     from bench.calibrate import calibrate, write_profile
     folder = tempfile.mkdtemp(prefix="parabench-profiles-")
     os.environ["PARABENCH_PROFILES"] = folder  # the rank pools started next inherit it
-    path = write_profile(calibrate(world, quick=True))
+    path = write_profile(calibrate(world))
     print(f"calibrated: {path}")
 
 
