@@ -1,20 +1,25 @@
-"""Predicted vs measured step time for one set of configs, measured and predicted in one run.
+"""Predicted vs measured step time and step peak memory for one set of configs, measured and predicted in one run.
 
 The default set is issue 11's world-≤ 2 set on the `small` model: native dp 2, tp 2, pp 2 (1F1B, m 4),
 ddp dp 2, fsdp full dp 2, deepspeed ZeRO-1 and ZeRO-3 dp 2. Each config runs on a RankPool of its world
 size (one thread per rank, as `bench run`); the prediction uses the calibrated `cpu` profile when
-`bench calibrate` has written one (else the built-in), exactly as the result row's pred_* columns.
+`bench calibrate` has written one (else the built-in), exactly as the result row's pred_* columns. Beside the time table it prints the measured step peak memory
+(peak_mem_bytes: on CPU the RSS high-water mark above the RSS before the timed steps) against the predicted
+one (pred_peak_mem_bytes: activations and transients at the peak, bench.analysis.memory).
 
     bench calibrate                                      # once per machine (< 2 min)
     .venv/bin/python benchmarks/predict_vs_measure.py
     .venv/bin/python benchmarks/predict_vs_measure.py --set quickstart   # 4 ranks of tiny on 2 cores
+    .venv/bin/python benchmarks/predict_vs_measure.py --recompute full --steps 2 --warmup 1   # memory only: quick
     .venv/bin/python benchmarks/predict_vs_measure.py --calibrate --out results/predict && bench report results/predict
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
+from bench.capabilities import unsupported_reason
 from bench.config import RunConfig
 from bench.spawn import RankPool
 
@@ -29,14 +34,20 @@ SETS = {
 MODEL = {"world2": "small", "quickstart": "tiny"}
 
 
-def configs(name: str, steps: int, warmup: int, dtype: str) -> list[RunConfig]:
-    return [RunConfig(model=MODEL[name], steps=steps, warmup=warmup, dtype=dtype, device="cpu", **kw)
-            for kw in SETS[name]]
+def configs(name: str, steps: int, warmup: int, dtype: str, recompute: str = "none") -> list[RunConfig]:
+    """The set's configs that their backend can run (recompute modes differ by backend)."""
+    cfgs = [RunConfig(model=MODEL[name], steps=steps, warmup=warmup, dtype=dtype, device="cpu", recompute=recompute,
+                      **kw) for kw in SETS[name]]
+    for cfg in cfgs:
+        if (why := unsupported_reason(cfg)) is not None:
+            print(f"{describe(cfg):<32}skipped: {why}")
+    return [cfg for cfg in cfgs if unsupported_reason(cfg) is None]
 
 
 def describe(cfg: RunConfig) -> str:
     extra = f" zero{cfg.zero}" if cfg.backend == "deepspeed" else (f" {cfg.fsdp}" if cfg.backend == "fsdp" else "")
-    return f"{cfg.backend}{extra} tp{cfg.tp} pp{cfg.pp} dp{cfg.dp} m{cfg.micro_batches}"
+    recompute = f" rc-{cfg.recompute}" if cfg.recompute != "none" else ""
+    return f"{cfg.backend}{extra} tp{cfg.tp} pp{cfg.pp} dp{cfg.dp} m{cfg.micro_batches}{recompute}"
 
 
 def measure(cfgs: list[RunConfig]) -> list[dict]:
@@ -77,22 +88,45 @@ def print_table(cfgs, rows) -> list[float]:
     return errors
 
 
+def print_memory_table(cfgs, rows) -> list[float]:
+    """Measured step peak (max over ranks) against the predicted one (max over pipeline stages)."""
+    MiB = 2**20
+    print(f"\n{'config':<32}{'measured MiB':>13}{'predicted':>10}{'error':>8}   per rank measured (MiB)")
+    errors = []
+    for cfg, row in zip(cfgs, rows):
+        pred, measured = row.get("pred_peak_mem_bytes"), row.get("peak_mem_bytes")
+        if row["status"] != "ok" or not pred or not measured:
+            continue
+        err = pred / measured - 1
+        errors.append(err)
+        per_rank = " ".join(f"{b / MiB:.1f}" for b in json.loads(row["peak_mem_bytes_per_rank"]))
+        print(f"{describe(cfg):<32}{measured / MiB:>13.1f}{pred / MiB:>10.1f}{err:>+8.1%}   {per_rank}")
+    if errors:
+        absolute = [abs(e) for e in errors]
+        print(f"peak memory |error|: median {statistics.median(absolute):.1%}, max {max(absolute):.1%} "
+              f"over {len(errors)} configs")
+    return errors
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", choices=sorted(SETS), default="world2")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16-mixed"])
+    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                    help="run the set with this activation recomputation (configs whose backend lacks it are skipped)")
     ap.add_argument("--calibrate", action="store_true",
                     help="first run `bench calibrate --quick` into a temporary profiles folder, so that the profile "
                          "sees the machine as loaded as the measurement does (a shared machine)")
     ap.add_argument("--out", default=None, help="also write the rows to OUT/runs/<run_id>.json (for `bench report OUT`)")
     args = ap.parse_args()
-    cfgs = configs(args.set, args.steps, args.warmup, args.dtype)
+    cfgs = configs(args.set, args.steps, args.warmup, args.dtype, args.recompute)
     if args.calibrate:
         calibrate_now(max(c.world for c in cfgs))
     rows = measure(cfgs)
     print_table(cfgs, rows)
+    print_memory_table(cfgs, rows)
     if args.out:
         from bench.sweep.store import ResultStore
         store = ResultStore(args.out)
