@@ -95,7 +95,7 @@ def print_memory_table(cfgs, rows) -> list[float]:
     errors = []
     for cfg, row in zip(cfgs, rows):
         pred, measured = row.get("pred_peak_mem_bytes"), row.get("peak_mem_bytes")
-        if row["status"] != "ok" or not pred or not measured:
+        if row["status"] != "ok" or pred is None or not measured:
             continue
         err = pred / measured - 1
         errors.append(err)

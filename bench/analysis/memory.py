@@ -33,7 +33,12 @@ the logits and the loss's fp32 softmax for the micro-batches in flight there. Ho
 micro-batches each rank holds at its peak is read off the action lists its backend runs
 (`bench.analysis.stage_plan`, `bench.schedule`). With the `suite`
 model and the `autocast` state convention, the fp32 norm inputs and the per-forward bf16 weight
-copies that torch.autocast saves are added (`_autocast_extra_per_layer`).
+copies that torch.autocast saves are added (`_autocast_extra_per_layer`, and the head's weight copy).
+
+The step's peak (`step_peak`, the row's `pred_peak_mem_bytes`, measured as `peak_mem_bytes`) is
+what the step adds to the model state at its largest moment: the held activations plus what is live
+beside them then (the loss's gradients, a block's backward working set, gathered parameters, the
+ZeRO-1/2 reduction bucket), less the state the backend frees when the step starts.
 """
 from __future__ import annotations
 
@@ -224,11 +229,14 @@ def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationMod
     m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
     per_layer = layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
                                        cfg.recompute, prec.act, act)
-    autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32"
+    # FSDP2 computes in its gathered bf16 parameters (MixedPrecisionPolicy), not under torch.autocast
+    autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32" and cfg.backend != "fsdp"
     if autocast and cfg.recompute != "full":
         per_layer += _autocast_extra_per_layer(m, cfg.micro_batch * cfg.seq, cfg.tp, cfg.sequence_parallel)
     head = head_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, prec.act,
                                  logits_saved=not act.flash)
+    if autocast:  # the head's bf16 weight copy, saved for its backward as the blocks' are
+        head += 2 * head_params_local(m, cfg.tp, cfg.pp)
     activations = per_layer * rank.layers_in_flight + rank.head_in_flight * head
     state = model_state(plan, stage, prec)
     peak = step_peak(plan, stage, prec, act, activations, head if rank.head_in_flight else 0.0, state)
