@@ -258,7 +258,7 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
       head's), gathered parameters;
     - ZeRO-3, the end of the forward: the gathered parameters and the all-gather's flat buffer;
     - ZeRO-1/2, the gradient reduction after backward: the full gradients and their copy in the
-      contiguous reduction bucket (activations freed)."""
+      contiguous reduction bucket (activations freed); ZeRO-3's reduce-scatter of them likewise."""
     cfg, rank, m = plan.cfg, plan.ranks[stage], plan.cfg.model_config
     tokens = cfg.micro_batch * cfg.seq
     at_loss, in_blocks = _gathered(plan, stage, prec)
@@ -271,7 +271,7 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
     if rank.last:
         moments.append(held + loss_backward_bytes(m, tokens, cfg.tp) + at_loss)
     if cfg.backend == "deepspeed" and cfg.zero == 3 and cfg.dp > 1:
-        moments.append(held - head_held + _zero3_gather_bytes(plan, stage, prec))
+        moments += [held - head_held + _zero3_gather_bytes(plan, stage, prec), _zero3_reduction_bytes(plan, stage, prec)]
     if cfg.backend == "deepspeed" and cfg.zero in (1, 2):
         moments.append(_zero12_reduction_bytes(plan, stage, prec))
     return max(0.0, max(moments) - _released(plan, state))
@@ -336,6 +336,14 @@ def _zero3_gather_bytes(plan, stage: int, prec: Precision) -> float:
     flat = max(gathers, default=0) if gathers else deepspeed_settings(plan.cfg)["stage3_prefetch_bucket_size"]
     resident = _zero3_resident(plan, stage)
     return (resident + min(flat, resident)) * prec.param
+
+
+def _zero3_reduction_bytes(plan, stage: int, prec: Precision) -> float:
+    """ZeRO-3 reduces in its epilogue after backward (every gradient fits one reduce bucket here, else
+    bucket by bucket): the gradients, the flat input reduce_scatter_coalesced builds from them and the
+    partitions it returns (1/dp of them), all in the gradients' dtype."""
+    n = min(plan.ranks[stage].params, deepspeed_settings(plan.cfg)["reduce_bucket_size"])
+    return n * (2 + 1 / plan.cfg.dp) * prec.grad
 
 
 def _zero12_reduction_bytes(plan, stage: int, prec: Precision) -> float:
