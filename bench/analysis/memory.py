@@ -257,8 +257,8 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
       recompute: the block's activations recomputed), the gradients backward has already made (the
       head's), gathered parameters;
     - ZeRO-3, the end of the forward: the gathered parameters and the all-gather's flat buffer;
-    - ZeRO-1/2, the gradient reduction after backward: the full gradients and their copy in the
-      contiguous reduction bucket (activations freed); ZeRO-3's reduce-scatter of them likewise."""
+    - DeepSpeed's gradient reduction after backward (ZeRO-0 at dp > 1, ZeRO-1/2): the gradients and
+      their copy in the reduction bucket (activations freed); ZeRO-3's reduce-scatter of them likewise."""
     cfg, rank, m = plan.cfg, plan.ranks[stage], plan.cfg.model_config
     tokens = cfg.micro_batch * cfg.seq
     at_loss, in_blocks = _gathered(plan, stage, prec)
@@ -272,7 +272,7 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
         moments.append(held + loss_backward_bytes(m, tokens, cfg.tp) + at_loss)
     if cfg.backend == "deepspeed" and cfg.zero == 3 and cfg.dp > 1:
         moments += [held - head_held + _zero3_gather_bytes(plan, stage, prec), _zero3_reduction_bytes(plan, stage, prec)]
-    if cfg.backend == "deepspeed" and cfg.zero in (1, 2):
+    if cfg.backend == "deepspeed" and (cfg.zero in (1, 2) or (cfg.zero == 0 and cfg.dp > 1)):
         moments.append(_zero12_reduction_bytes(plan, stage, prec))
     return max(0.0, max(moments) - _released(plan, state))
 
@@ -312,8 +312,9 @@ def _gathered(plan, stage: int, prec: Precision) -> tuple[float, float]:
     groups = plan.fsdp_groups(stage, 1)
     root = sum(n for kind, n in groups if kind == "root") * gather_b
     block = max((n for kind, n in groups if kind == "block"), default=0)
-    if cfg.fsdp == "grad-op":
-        return root + sum(n for kind, n in groups if kind == "block") * gather_b, 0.0
+    if cfg.fsdp == "grad-op":  # every block stays gathered until its backward
+        everything = root + sum(n for kind, n in groups if kind == "block") * gather_b
+        return everything, everything + block * prec.grad
     return root, root + block * (2 * gather_b + prec.grad)
 
 
@@ -347,12 +348,14 @@ def _zero3_reduction_bytes(plan, stage: int, prec: Precision) -> float:
 
 
 def _zero12_reduction_bytes(plan, stage: int, prec: Precision) -> float:
-    """ZeRO-1/2 reduce after backward (overlap_comm off): every gradient of the module, and their copy
-    in the contiguous reduction bucket (reduce_bucket_size elements, of which the gradients fill at most
-    their own count; RSS counts only the touched pages of the bucket, the CUDA allocator the whole)."""
+    """ZeRO-1/2's gradient reduction (overlap_comm off): the gradients not yet reduced and their copy in
+    the contiguous reduction bucket (reduce_bucket_size elements, of which the gradients fill at most
+    their own count; RSS counts only the touched pages of the bucket, the CUDA allocator the whole).
+    ZeRO-0 (its engine's bucketed all-reduce) and ZeRO-1 reduce after backward, so every gradient
+    backward made is there; ZeRO-2 reduces (and frees) them bucket by bucket as backward makes them."""
     n = plan.ranks[stage].params
-    bucket = deepspeed_settings(plan.cfg)["reduce_bucket_size"]
-    return (n + min(n, bucket)) * prec.grad
+    bucket = min(n, deepspeed_settings(plan.cfg)["reduce_bucket_size"])
+    return ((bucket if plan.cfg.zero == 2 else n) + bucket) * prec.grad
 
 
 def model_state(plan, stage: int, prec: Precision) -> dict:
