@@ -9,8 +9,8 @@ Model state, bytes per parameter (Rajbhandari et al. 2020, "ZeRO", §3.1: K = 12
   native, ddp and fsdp backends of this suite train this way)
 Sharding over the dp group: ZeRO-1 the optimizer state, ZeRO-2 (FSDP grad-op) + gradients,
 ZeRO-3 (FSDP full) + parameters; FSDP hybrid shards within a group of `hybrid_shard` ranks.
-ZeRO-3/FSDP full additionally hold, transiently, the unsharded parameters of two blocks (the one
-computing and the one prefetched) and the unsharded gradients of one.
+ZeRO-3/FSDP additionally hold gathered parameters during the step (`step_peak`: FSDP2 its root and
+the blocks in backward, ZeRO-3 every partitioned parameter it fits under its live-parameter limits).
 
 Tensor parallel (Megatron's split): qkv and fc1 column-parallel (weights and biases ÷ t), proj
 and fc2 row-parallel (weights ÷ t, biases replicated), norms replicated, token embedding and LM
@@ -37,8 +37,8 @@ copies that torch.autocast saves are added (`_autocast_extra_per_layer`, and the
 
 The step's peak (`step_peak`, the row's `pred_peak_mem_bytes`, measured as `peak_mem_bytes`) is
 what the step adds to the model state at its largest moment: the held activations plus what is live
-beside them then (the loss's gradients, a block's backward working set, gathered parameters, the
-ZeRO-1/2 reduction bucket), less the state the backend frees when the step starts.
+beside them then (the loss's gradients, a block's backward working set, gathered parameters,
+DeepSpeed's gradient reduction), less the state the backend frees when the step starts.
 """
 from __future__ import annotations
 
@@ -200,7 +200,8 @@ def _autocast_extra_per_layer(m: GPTConfig, tokens: int, tp: int, sp: bool) -> f
 
 
 @lru_cache(maxsize=65536)
-def head_activation_bytes(m: GPTConfig, b: int, s: int, tp: int, sp: bool, e: int, logits_saved: bool = True) -> float:
+def head_activation_bytes(m: GPTConfig, b: int, s: int, tp: int, sp: bool, e: int,
+                          logits_saved: bool = True) -> float:
     """Final norm input, head input and the loss's fp32 softmax per micro-batch, and the logits (e)
     when they are saved (`table2`); this suite's loss saves only its fp32 (log-)softmax: the logits
     die once the loss has read them."""
@@ -271,7 +272,8 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
     if rank.last:
         moments.append(held + loss_backward_bytes(m, tokens, cfg.tp) + at_loss)
     if cfg.backend == "deepspeed" and cfg.zero == 3 and cfg.dp > 1:
-        moments += [held - head_held + _zero3_gather_bytes(plan, stage, prec), _zero3_reduction_bytes(plan, stage, prec)]
+        moments += [held - head_held + _zero3_gather_bytes(plan, stage, prec),
+                    _zero3_reduction_bytes(plan, stage, prec)]
     if cfg.backend == "deepspeed" and (cfg.zero in (1, 2) or (cfg.zero == 0 and cfg.dp > 1)):
         moments.append(_zero12_reduction_bytes(plan, stage, prec))
     return max(0.0, max(moments) - _released(plan, state))
@@ -334,7 +336,9 @@ def _zero3_gather_bytes(plan, stage: int, prec: Precision) -> float:
     """ZeRO-3 at the end of the forward: the resident gathered parameters and the flat output of the
     largest coalesced all-gather (one prefetch bucket at most), from which they were copied."""
     gathers = zero3_prefetch_gathers(plan, stage)
-    flat = max(gathers, default=0) if gathers else deepspeed_settings(plan.cfg)["stage3_prefetch_bucket_size"]
+    if gathers is None:  # parameters released within the micro-batch: one prefetch bucket at a time
+        gathers = [deepspeed_settings(plan.cfg)["stage3_prefetch_bucket_size"]]
+    flat = max(gathers, default=0)
     resident = _zero3_resident(plan, stage)
     return (resident + min(flat, resident)) * prec.param
 
