@@ -225,7 +225,9 @@ def layer_backward_bytes(m: GPTConfig, tokens: int, tp: int, e: int) -> float:
 
 # --- per rank ------------------------------------------------------------------------------------
 def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationModel = ActivationModel()) -> dict:
-    """Bytes held by one rank of pipeline stage `stage` at its peak (plan: bench.analysis.stage_plan)."""
+    """Bytes held by one rank of pipeline stage `stage` at its peak (plan: bench.analysis.stage_plan).
+    `transient_bytes` is the step peak less the held activations: negative when the backend has freed
+    more state before the peak (gradients set to None) than it holds beside the activations."""
     cfg, rank = plan.cfg, plan.ranks[stage]
     m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
     per_layer = layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
