@@ -1,20 +1,28 @@
-"""Predicted vs measured step time for one set of configs, measured and predicted in one run.
+"""Predicted vs measured step time and step peak memory for one set of configs, measured and predicted in
+one run.
 
 The default set is issue 11's world-≤ 2 set on the `small` model: native dp 2, tp 2, pp 2 (1F1B, m 4),
 ddp dp 2, fsdp full dp 2, deepspeed ZeRO-1 and ZeRO-3 dp 2. Each config runs on a RankPool of its world
 size (one thread per rank, as `bench run`); the prediction uses the calibrated `cpu` profile when
 `bench calibrate` has written one (else the built-in), exactly as the result row's pred_* columns.
+Beside the time table it prints the measured step peak memory (peak_mem_bytes: on CPU the RSS high-water
+mark above the RSS before the timed steps; memory does not depend on the machine's load, so two steps do)
+against the predicted one (pred_peak_mem_bytes: what is live at the step's largest moment,
+bench.analysis.memory.step_peak), per config and per rank.
 
     bench calibrate                                      # once per machine (< 2 min)
     .venv/bin/python benchmarks/predict_vs_measure.py
     .venv/bin/python benchmarks/predict_vs_measure.py --set quickstart   # 4 ranks of tiny on 2 cores
+    .venv/bin/python benchmarks/predict_vs_measure.py --recompute full --steps 2 --warmup 1   # memory only: quick
     .venv/bin/python benchmarks/predict_vs_measure.py --calibrate --out results/predict && bench report results/predict
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
+from bench.capabilities import unsupported_reason
 from bench.config import RunConfig
 from bench.spawn import RankPool
 
@@ -29,14 +37,20 @@ SETS = {
 MODEL = {"world2": "small", "quickstart": "tiny"}
 
 
-def configs(name: str, steps: int, warmup: int, dtype: str) -> list[RunConfig]:
-    return [RunConfig(model=MODEL[name], steps=steps, warmup=warmup, dtype=dtype, device="cpu", **kw)
-            for kw in SETS[name]]
+def configs(name: str, steps: int, warmup: int, dtype: str, recompute: str = "none") -> list[RunConfig]:
+    """The set's configs that their backend can run (recompute modes differ by backend)."""
+    cfgs = [RunConfig(model=MODEL[name], steps=steps, warmup=warmup, dtype=dtype, device="cpu", recompute=recompute,
+                      **kw) for kw in SETS[name]]
+    for cfg in cfgs:
+        if (why := unsupported_reason(cfg)) is not None:
+            print(f"{describe(cfg):<44}skipped: {why}")
+    return [cfg for cfg in cfgs if unsupported_reason(cfg) is None]
 
 
 def describe(cfg: RunConfig) -> str:
     extra = f" zero{cfg.zero}" if cfg.backend == "deepspeed" else (f" {cfg.fsdp}" if cfg.backend == "fsdp" else "")
-    return f"{cfg.backend}{extra} tp{cfg.tp} pp{cfg.pp} dp{cfg.dp} m{cfg.micro_batches}"
+    recompute = f" rc-{cfg.recompute}" if cfg.recompute != "none" else ""
+    return f"{cfg.backend}{extra} tp{cfg.tp} pp{cfg.pp} dp{cfg.dp} m{cfg.micro_batches}{recompute}"
 
 
 def measure(cfgs: list[RunConfig]) -> list[dict]:
@@ -55,25 +69,45 @@ TERMS = ("compute", "overhead", "comm_exposed_tp", "comm_exposed_pp", "comm_expo
 
 
 def print_table(cfgs, rows) -> list[float]:
-    print(f"{'config':<32}{'measured ms':>12}{'predicted':>10}{'error':>8}   terms (ms): "
+    print(f"{'config':<44}{'measured ms':>12}{'predicted':>10}{'error':>8}   terms (ms): "
           + " ".join(t.replace("comm_exposed_", "") for t in TERMS))
     errors = []
     for cfg, row in zip(cfgs, rows):
         if row["status"] != "ok":
-            print(f"{describe(cfg):<32}{row['status']}: {str(row.get('error'))[-200:]}")
+            print(f"{describe(cfg):<44}{row['status']}: {str(row.get('error'))[-200:]}")
             continue
         pred = row.get("pred_step_time_s")
         if pred is None:
-            print(f"{describe(cfg):<32}{row['step_time_s'] * 1e3:>12.1f}  no prediction: {row.get('pred_error')}")
+            print(f"{describe(cfg):<44}{row['step_time_s'] * 1e3:>12.1f}  no prediction: {row.get('pred_error')}")
             continue
         err = pred / row["step_time_s"] - 1
         errors.append(err)
         terms = " ".join(f"{row[f'pred_{t}_s'] * 1e3:.1f}" for t in TERMS)
-        print(f"{describe(cfg):<32}{row['step_time_s'] * 1e3:>12.1f}{pred * 1e3:>10.1f}{err:>+8.1%}   {terms}")
+        print(f"{describe(cfg):<44}{row['step_time_s'] * 1e3:>12.1f}{pred * 1e3:>10.1f}{err:>+8.1%}   {terms}")
     if errors:
         absolute = [abs(e) for e in errors]
         print(f"|error|: median {statistics.median(absolute):.1%}, max {max(absolute):.1%} over {len(errors)} configs "
               f"(profile: {rows[0].get('pred_hardware')})")
+    return errors
+
+
+def print_memory_table(cfgs, rows) -> list[float]:
+    """Measured step peak (max over ranks) against the predicted one (max over pipeline stages)."""
+    MiB = 2**20
+    print(f"\n{'config':<44}{'measured MiB':>13}{'predicted':>10}{'error':>8}   per rank measured (MiB)")
+    errors = []
+    for cfg, row in zip(cfgs, rows):
+        pred, measured = row.get("pred_peak_mem_bytes"), row.get("peak_mem_bytes")
+        if row["status"] != "ok" or pred is None or not measured:
+            continue
+        err = pred / measured - 1
+        errors.append(err)
+        per_rank = " ".join(f"{b / MiB:.1f}" for b in json.loads(row["peak_mem_bytes_per_rank"]))
+        print(f"{describe(cfg):<44}{measured / MiB:>13.1f}{pred / MiB:>10.1f}{err:>+8.1%}   {per_rank}")
+    if errors:
+        absolute = [abs(e) for e in errors]
+        print(f"peak memory |error|: median {statistics.median(absolute):.1%}, max {max(absolute):.1%} "
+              f"over {len(errors)} configs")
     return errors
 
 
@@ -83,16 +117,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16-mixed"])
+    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                    help="run the set with this activation recomputation (configs whose backend lacks it are skipped)")
     ap.add_argument("--calibrate", action="store_true",
                     help="first run `bench calibrate --world W` (W: the set's largest world) into a temporary "
                          "profiles folder, so that the profile sees the machine as the measurement does")
     ap.add_argument("--out", default=None, help="also write the rows to OUT/runs/<run_id>.json (for `bench report OUT`)")
     args = ap.parse_args()
-    cfgs = configs(args.set, args.steps, args.warmup, args.dtype)
+    cfgs = configs(args.set, args.steps, args.warmup, args.dtype, args.recompute)
     if args.calibrate:
         calibrate_now(max(c.world for c in cfgs))
     rows = measure(cfgs)
     print_table(cfgs, rows)
+    print_memory_table(cfgs, rows)
     if args.out:
         from bench.sweep.store import ResultStore
         store = ResultStore(args.out)

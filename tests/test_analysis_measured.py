@@ -8,10 +8,13 @@ predicted activation + transient bytes on the `small` model, whose tensors are l
 (≥ 64 KiB) for glibc to map and unmap them (MALLOC_ENV); on `tiny` they come from the heap that
 earlier runs in the warm process already grew, and the peak is noise.
 """
+import json
+
 import pytest
 
 from bench.analysis.estimate import default_mixed_state, estimate
 from bench.config import RunConfig
+from bench.layout import Layout
 
 BASE = dict(model="tiny", steps=1, warmup=1, micro_batch=2)
 
@@ -135,3 +138,30 @@ def test_predicted_memory_band_small(pools, options):
     predicted = max(s["activation_bytes"] + s["transient_bytes"] for s in est["stages"])
     ratio = row["peak_mem_bytes"] / predicted
     assert MEMORY_BAND[0] <= ratio <= MEMORY_BAND[1], ratio
+
+
+# The predicted step peak (pred_peak_mem_bytes) within ±15 % of the measured one on `small` at world ≤ 2
+# (issue 11), one config per term that decides a peak: the loss's backward (native dp; tp's vocab-parallel
+# loss), the micro-batches in flight (1F1B), gradients freed at the step start (ddp), the gathered root and
+# blocks (FSDP2 full; grad-op keeps every block gathered), DeepSpeed's bucketed reduction after backward
+# (ZeRO-0), ZeRO-3's resident gathered parameters and flat all-gather buffer. Each is repeatable to ~1 %
+# here; ZeRO-1/2 are left out: one rank sometimes peaks 5-20 % higher in the reduction (gloo).
+PEAK_TOLERANCE = 0.15
+PEAK_CASES = [dict(backend="native", dp=2), dict(backend="native", tp=2),
+              dict(backend="native", pp=2, schedule="1f1b", micro_batches=4), dict(backend="ddp", dp=2),
+              dict(backend="fsdp", fsdp="full", dp=2), dict(backend="fsdp", fsdp="grad-op", dp=2),
+              dict(backend="deepspeed", zero=0, dp=2), dict(backend="deepspeed", zero=3, dp=2)]
+
+
+@pytest.mark.parametrize("options", PEAK_CASES, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_predicted_step_peak_memory_within_15_percent(pools, options):
+    cfg = RunConfig(model="small", steps=2, warmup=1, **options)  # the peak of the second timed step: DDP
+    row = pools(cfg.world).run(cfg)                               # rebuilds its buckets in the first
+    assert row["status"] == "ok", row["error"]
+    assert row["pred_peak_mem_error"] == pytest.approx(row["pred_peak_mem_bytes"] / row["peak_mem_bytes"] - 1)
+    # every rank against its own stage's prediction (a pipeline's stages peak differently)
+    stages = estimate(cfg, mixed_state=default_mixed_state(cfg), activations="suite")["stages"]
+    layout = Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order)
+    for rank, measured in enumerate(json.loads(row["peak_mem_bytes_per_rank"])):
+        predicted = stages[layout.coords(rank).pp]["peak_mem_bytes"]
+        assert abs(predicted / measured - 1) <= PEAK_TOLERANCE, (rank, predicted, measured)

@@ -118,7 +118,7 @@ def _print_estimate(est: dict) -> None:
                    f"{est['mixed_state']} state convention, "
                    f"{est['activations']} activations:")
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
-                "total_bytes"):
+                "total_bytes", "peak_mem_bytes"):  # transient: less the state freed before the step's peak
         if key in est:
             click.echo(f"  {key.removesuffix('_bytes'):<12} {_gib(est[key]):>14}")
     if "world_size" not in est:

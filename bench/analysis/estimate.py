@@ -31,7 +31,7 @@ from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
-               "total_bytes")
+               "total_bytes", "peak_mem_bytes")
 
 
 @dataclass(frozen=True)
@@ -192,8 +192,8 @@ def _predict_row(cfg, device_name: str | None = None, hardware: Hardware | None 
     state = default_mixed_state(cfg)
     est = estimate(cfg, mixed_state=state, activations="suite")
     out = {f"pred_{k}": est[k] for k in PRED_KEYS}
-    for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes"):  # max over ranks,
-        out[f"pred_{k}"] = max(s[k] for s in est["stages"])  # per column, as the measured row
+    for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "peak_mem_bytes"):
+        out[f"pred_{k}"] = max(s[k] for s in est["stages"])  # max over ranks per column, as the measured row
     for name in comm_columns():
         out[f"pred_{name}"] = est[name]
     hw = hardware or row_hardware(device_name)
@@ -206,9 +206,13 @@ def _predict_row(cfg, device_name: str | None = None, hardware: Hardware | None 
 
 
 def prediction_error(row: dict) -> dict:
-    """How far the predicted step time is from the measured one (pred / measured − 1)."""
+    """How far the predicted step time and step peak memory are from the measured ones (pred / measured − 1)."""
+    out = {}
     pred, measured = row.get("pred_step_time_s"), row.get("step_time_s")
-    if not pred or not measured:
-        return {}
-    err = pred / measured - 1
-    return {"pred_step_time_error": err, "pred_step_time_abs_error": abs(err)}
+    if pred and measured:
+        err = pred / measured - 1
+        out.update(pred_step_time_error=err, pred_step_time_abs_error=abs(err))
+    pred, measured = row.get("pred_peak_mem_bytes"), row.get("peak_mem_bytes")
+    if pred and measured:
+        out["pred_peak_mem_error"] = pred / measured - 1
+    return out

@@ -9,8 +9,8 @@ Model state, bytes per parameter (Rajbhandari et al. 2020, "ZeRO", §3.1: K = 12
   native, ddp and fsdp backends of this suite train this way)
 Sharding over the dp group: ZeRO-1 the optimizer state, ZeRO-2 (FSDP grad-op) + gradients,
 ZeRO-3 (FSDP full) + parameters; FSDP hybrid shards within a group of `hybrid_shard` ranks.
-ZeRO-3/FSDP full additionally hold, transiently, the unsharded parameters of two blocks (the one
-computing and the one prefetched) and the unsharded gradients of one.
+ZeRO-3/FSDP additionally hold gathered parameters during the step (`step_peak`: FSDP2 its root and
+the blocks in backward, ZeRO-3 every partitioned parameter it fits under its live-parameter limits).
 
 Tensor parallel (Megatron's split): qkv and fc1 column-parallel (weights and biases ÷ t), proj
 and fc2 row-parallel (weights ÷ t, biases replicated), norms replicated, token embedding and LM
@@ -33,7 +33,12 @@ the logits and the loss's fp32 softmax for the micro-batches in flight there. Ho
 micro-batches each rank holds at its peak is read off the action lists its backend runs
 (`bench.analysis.stage_plan`, `bench.schedule`). With the `suite`
 model and the `autocast` state convention, the fp32 norm inputs and the per-forward bf16 weight
-copies that torch.autocast saves are added (`_autocast_extra_per_layer`).
+copies that torch.autocast saves are added (`_autocast_extra_per_layer`, and the head's weight copy).
+
+The step's peak (`step_peak`, the row's `pred_peak_mem_bytes`, measured as `peak_mem_bytes`) is
+what the step adds to the model state at its largest moment: the held activations plus what is live
+beside them then (the loss's gradients, a block's backward working set, gathered parameters,
+DeepSpeed's gradient reduction), less the state the backend frees when the step starts.
 """
 from __future__ import annotations
 
@@ -42,8 +47,10 @@ from functools import lru_cache
 
 from bench.analysis.params import (
     deepspeed_bf16_optimizer,
+    deepspeed_settings,
     deepspeed_zero3_split,
     zero3_padded,
+    zero3_prefetch_gathers,
     zero12_padded,
 )
 from models.config import GPTConfig, block_params, embedding_params
@@ -193,45 +200,168 @@ def _autocast_extra_per_layer(m: GPTConfig, tokens: int, tp: int, sp: bool) -> f
 
 
 @lru_cache(maxsize=65536)
-def head_activation_bytes(m: GPTConfig, b: int, s: int, tp: int, sp: bool, e: int) -> float:
-    """Final norm input, head input, logits (e) and the loss's fp32 softmax, per micro-batch."""
+def head_activation_bytes(m: GPTConfig, b: int, s: int, tp: int, sp: bool, e: int,
+                          logits_saved: bool = True) -> float:
+    """Final norm input, head input and the loss's fp32 softmax per micro-batch, and the logits (e)
+    when they are saved (`table2`); this suite's loss saves only its fp32 (log-)softmax: the logits
+    die once the loss has read them."""
     tokens = s * b
-    return tokens * (2 * e * m.hidden / (tp if sp else 1) + (e + 4) * m.vocab / tp)
+    return tokens * (2 * e * m.hidden / (tp if sp else 1) + ((e if logits_saved else 0) + 4) * m.vocab / tp)
+
+
+def loss_backward_bytes(m: GPTConfig, tokens: int, tp: int) -> float:
+    """The loss's backward beside its saved softmax: the gradient it receives and the one it returns,
+    both fp32 and the (vocab-sharded) logits' size (F.cross_entropy's log-softmax backward; the
+    vocab-parallel loss's clone of the softmax and its product with the incoming gradient)."""
+    return tokens * 2 * 4 * m.vocab / tp
+
+
+def layer_backward_bytes(m: GPTConfig, tokens: int, tp: int, e: int) -> float:
+    """A block's backward working set beside its saved activations, at its largest (the MLP): the
+    gradient of the fc2 input and of the fc1 output (twice the width for swiglu's gate and up)."""
+    up = 2 * m.ffn_hidden if m.activation == "swiglu" else m.ffn_hidden
+    return tokens * e * (m.ffn_hidden + up) / tp
 
 
 # --- per rank ------------------------------------------------------------------------------------
 def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationModel = ActivationModel()) -> dict:
-    """Bytes held by one rank of pipeline stage `stage` at its peak (plan: bench.analysis.stage_plan)."""
+    """Bytes held by one rank of pipeline stage `stage` at its peak (plan: bench.analysis.stage_plan).
+    `transient_bytes` is the step peak less the held activations: negative when the backend has freed
+    more state before the peak (gradients set to None) than it holds beside the activations."""
     cfg, rank = plan.cfg, plan.ranks[stage]
     m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
-    full_stage = rank.params
-    dp_ = plan.state_divisors[0]
-    fsdp = cfg.backend == "fsdp"
-    if fsdp:  # DTensor TP keeps embedding/head whole
-        full_stage = sum(n for _, n in plan.fsdp_groups(stage, 1))
-        dp_ = 1
     per_layer = layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
                                        cfg.recompute, prec.act, act)
-    autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32"
+    # FSDP2 computes in its gathered bf16 parameters (MixedPrecisionPolicy), not under torch.autocast
+    autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32" and cfg.backend != "fsdp"
     if autocast and cfg.recompute != "full":
         per_layer += _autocast_extra_per_layer(m, cfg.micro_batch * cfg.seq, cfg.tp, cfg.sequence_parallel)
-    activations = per_layer * rank.layers_in_flight + rank.head_in_flight * head_activation_bytes(
-        m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, prec.act)
-    transient = 0.0
-    if cfg.recompute == "full":  # backward recomputes one layer's full activations
-        transient += layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
-                                            "none", prec.act, act)
-    gather_b = 2 if fsdp and cfg.dtype != "fp32" else prec.param  # FSDP2 gathers in bf16
-    if fsdp and cfg.fsdp == "grad-op":  # gathered from forward until after backward
-        transient += full_stage * gather_b
-    elif dp_ > 1 or (fsdp and plan.sharding == "params"):
-        # sharded params: two blocks gathered (compute + prefetch), one block of unsharded grads
-        transient += block_params_local(m, cfg.tp) * (2 * gather_b + prec.grad)
-    out = {**model_state(plan, stage, prec), "activation_bytes": activations,
-           "activation_bytes_per_layer": per_layer, "transient_bytes": transient}
+    head = head_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, prec.act,
+                                 logits_saved=not act.flash)
+    if autocast:  # the head's bf16 weight copy, saved for its backward as the blocks' are
+        head += 2 * head_params_local(m, cfg.tp, cfg.pp)
+    activations = per_layer * rank.layers_in_flight + rank.head_in_flight * head
+    state = model_state(plan, stage, prec)
+    peak = step_peak(plan, stage, prec, act, activations, head if rank.head_in_flight else 0.0, state)
+    out = {**state, "activation_bytes": activations, "activation_bytes_per_layer": per_layer,
+           "transient_bytes": peak - activations}
     out["total_bytes"] = sum(out[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes",
                                                "activation_bytes", "transient_bytes"))
+    out["peak_mem_bytes"] = peak
     return out
+
+
+def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: float, head_held: float,
+              state: dict) -> float:
+    """Bytes the step adds to the model state at its peak (the measured `peak_mem_bytes`): the largest
+    of the moments the step passes through, less the state the backend frees before them.
+    - the loss's backward (last stage): every activation held, the loss's gradients;
+    - a block's backward: the activations held (the head's freed), the block's working set (full
+      recompute: the block's activations recomputed), the gradients backward has already made (the
+      head's), gathered parameters;
+    - ZeRO-3, the end of the forward: the gathered parameters and the all-gather's flat buffer;
+    - DeepSpeed's gradient reduction after backward (ZeRO-0 at dp > 1, ZeRO-1/2): the gradients and
+      their copy in the reduction bucket (activations freed); ZeRO-3's reduce-scatter of them likewise."""
+    cfg, rank, m = plan.cfg, plan.ranks[stage], plan.cfg.model_config
+    tokens = cfg.micro_batch * cfg.seq
+    at_loss, in_blocks = _gathered(plan, stage, prec)
+    work = layer_backward_bytes(m, tokens, cfg.tp, prec.act)
+    if cfg.recompute == "full":
+        work += layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, "none",
+                                       prec.act, act)
+    made = head_params_local(m, cfg.tp, cfg.pp) * prec.grad if rank.last and _grads_made_by_backward(cfg) else 0
+    moments = [held - head_held + work + made + in_blocks]  # the head's backward has freed its activations
+    if rank.last:
+        moments.append(held + loss_backward_bytes(m, tokens, cfg.tp) + at_loss)
+    if cfg.backend == "deepspeed" and cfg.zero == 3 and cfg.dp > 1:
+        moments += [held - head_held + _zero3_gather_bytes(plan, stage, prec),
+                    _zero3_reduction_bytes(plan, stage, prec)]
+    if cfg.backend == "deepspeed" and (cfg.zero in (1, 2) or (cfg.zero == 0 and cfg.dp > 1)):
+        moments.append(_zero12_reduction_bytes(plan, stage, prec))
+    return max(0.0, max(moments) - _released(plan, state))
+
+
+def _grads_made_by_backward(cfg) -> bool:
+    """Whether backward allocates the gradients (the native engine accumulates into its persistent
+    flat buckets instead)."""
+    return cfg.backend != "native"
+
+
+def _released(plan, state: dict) -> float:
+    """Model state freed when the step starts and not made again before its peak: torch optimizers'
+    `zero_grad(set_to_none=True)` (ddp, fsdp) frees the gradients, which one micro-batch's backward
+    makes again only after its peak (with accumulation the later micro-batches' peaks hold them);
+    DeepSpeed makes its gradient partition only at the optimizer step (the previous step's is freed
+    when the step starts: `bench.backends.deepspeed`)."""
+    cfg = plan.cfg
+    if cfg.backend == "deepspeed" or (cfg.backend in ("ddp", "fsdp") and cfg.micro_batches == 1):
+        return state["grads_bytes"]
+    return 0.0
+
+
+def _gathered(plan, stage: int, prec: Precision) -> tuple[float, float]:
+    """Unsharded parameters (and gradients) beside the activations, (at the loss's backward, during a
+    block's backward). FSDP2: the root (embeddings, final norm, head) stays gathered from forward
+    until after backward (`reshard_after_forward=None`), and from the head's backward on its
+    gradients unsharded; each block in backward is gathered with the next one prefetched, and its
+    unsharded gradients are reduce-scattered after it (grad-op: every block stays gathered).
+    ZeRO-3: the gathered parameters stay resident until backward has used them (`_zero3_resident`)."""
+    cfg = plan.cfg
+    if cfg.backend == "deepspeed" and cfg.zero == 3 and cfg.dp > 1:
+        resident = _zero3_resident(plan, stage) * prec.param
+        return resident, resident
+    if cfg.backend != "fsdp" or plan.sharding != "params":
+        return 0.0, 0.0
+    gather_b = 2 if cfg.dtype != "fp32" else prec.param  # FSDP2 gathers in the mixed-precision dtype
+    groups = plan.fsdp_groups(stage, 1)
+    root = sum(n for kind, n in groups if kind == "root") * gather_b
+    block = max((n for kind, n in groups if kind == "block"), default=0)
+    if cfg.fsdp == "grad-op":  # every block stays gathered until its backward
+        everything = root + sum(n for kind, n in groups if kind == "block") * gather_b
+        return everything, everything + block * prec.grad
+    return root, root + block * (2 * gather_b + prec.grad)
+
+
+def _zero3_resident(plan, stage: int) -> float:
+    """Elements of the partitioned parameters ZeRO-3 holds gathered at once: every one of the stage's
+    when they fit stage3_max_live_parameters and stage3_max_reuse_distance (nothing is released
+    between a parameter's forward and its backward), else one prefetch bucket's worth."""
+    ds = deepspeed_settings(plan.cfg)
+    _, parted = deepspeed_zero3_split(plan, stage)
+    total = sum(zero3_padded(n, plan.cfg.dp) for n in parted)
+    if total <= min(ds["stage3_max_live_parameters"], ds["stage3_max_reuse_distance"]):
+        return total
+    return min(total, ds["stage3_prefetch_bucket_size"])
+
+
+def _zero3_gather_bytes(plan, stage: int, prec: Precision) -> float:
+    """ZeRO-3 at the end of the forward: the resident gathered parameters and the flat output of the
+    largest coalesced all-gather (one prefetch bucket at most), from which they were copied."""
+    gathers = zero3_prefetch_gathers(plan, stage)
+    if gathers is None:  # parameters released within the micro-batch: one prefetch bucket at a time
+        gathers = [deepspeed_settings(plan.cfg)["stage3_prefetch_bucket_size"]]
+    flat = max(gathers, default=0)
+    resident = _zero3_resident(plan, stage)
+    return (resident + min(flat, resident)) * prec.param
+
+
+def _zero3_reduction_bytes(plan, stage: int, prec: Precision) -> float:
+    """ZeRO-3 reduces in its epilogue after backward (every gradient fits one reduce bucket here, else
+    bucket by bucket): the gradients, the flat input reduce_scatter_coalesced builds from them and the
+    partitions it returns (1/dp of them), all in the gradients' dtype."""
+    n = min(plan.ranks[stage].params, deepspeed_settings(plan.cfg)["reduce_bucket_size"])
+    return n * (2 + 1 / plan.cfg.dp) * prec.grad
+
+
+def _zero12_reduction_bytes(plan, stage: int, prec: Precision) -> float:
+    """ZeRO-1/2's gradient reduction (overlap_comm off): the gradients not yet reduced and their copy in
+    the contiguous reduction bucket (reduce_bucket_size elements, of which the gradients fill at most
+    their own count; RSS counts only the touched pages of the bucket, the CUDA allocator the whole).
+    ZeRO-0 (its engine's bucketed all-reduce) and ZeRO-1 reduce after backward, so every gradient
+    backward made is there; ZeRO-2 reduces (and frees) them bucket by bucket as backward makes them."""
+    n = plan.ranks[stage].params
+    bucket = min(n, deepspeed_settings(plan.cfg)["reduce_bucket_size"])
+    return ((bucket if plan.cfg.zero == 2 else n) + bucket) * prec.grad
 
 
 def model_state(plan, stage: int, prec: Precision) -> dict:

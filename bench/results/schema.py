@@ -293,6 +293,11 @@ DECLARED: list[Column | Family] = [
     # predictions (bench.analysis.estimate.predict_row), beside the measured columns they predict
     *[Column(f"pred_{name}", "float", f"predicted {name} (max over ranks)", Kind.PREDICTED, "bytes",
              compare=Compare.EXACT, always=False) for name in (*PRED_STATE, "total_bytes")],
+    Column("pred_peak_mem_bytes", "float", "predicted peak_mem_bytes: the step's activations and transients at its "
+           "peak, above the model state (max over ranks)", Kind.PREDICTED, "bytes", compare=Compare.EXACT,
+           always=False),
+    Column("pred_peak_mem_error", "float", "pred_peak_mem_bytes / peak_mem_bytes − 1 (signed)", Kind.PREDICTED,
+           "fraction", always=False),
     Column("pred_bubble_fraction", "float", "predicted pipeline bubble", Kind.PREDICTED, "fraction",
            compare=Compare.EXACT, always=False),
     Column("pred_flops_per_step", "float", "predicted model FLOPs per optimizer step", Kind.PREDICTED, "FLOP",
