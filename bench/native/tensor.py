@@ -35,18 +35,7 @@ from bench.native import tensor_comm as comm
 from bench.surgery import materialize, split_dim
 
 class ColumnParallelLinear(nn.Linear):
-    """Y_i = X A_iᵀ (+ b_i): this rank's out_features/p output columns.
-
-    Without sequence parallel it is also the region's entry (`enter` holds the tp group): identity in
-    forward, and in backward the input gradient's all-reduce runs while the weight gradient is computed
-    (Megatron's asynchronous tensor-parallel all-reduce): the same collective, hidden behind a GEMM."""
-
-    enter = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enter is None:
-            return super().forward(x)
-        return comm.enter_column_parallel(x, self.weight, self.bias, self.enter)
+    """Y_i = X A_iᵀ (+ b_i): this rank's out_features/p output columns. No communication itself."""
 
 
 class RowParallelLinear(nn.Module):
@@ -90,15 +79,11 @@ class VocabParallelEmbedding(nn.Module):
         return x
 
 
-def _install_region(module: nn.Module, column: ColumnParallelLinear, group, sp: bool,
-                    row: RowParallelLinear | None) -> None:
-    """Enter `module` (whose input feeds only `column`) through the sequence gather, or through
-    `column` itself without SP; when `row` is given, leave it through reduce/scatter."""
+def _install_region(module: nn.Module, group, sp: bool, row: RowParallelLinear | None) -> None:
+    """Enter `module` through copy/gather and (when `row` is given) leave it through reduce/scatter."""
+    enter = comm.gather_from_sequence if sp else comm.copy_to_region
     leave = comm.reduce_scatter_sequence if sp else comm.reduce_from_region
-    if sp:
-        module.register_forward_pre_hook(lambda m, args: (comm.gather_from_sequence(args[0], group), *args[1:]))
-    elif comm.group_size(group) > 1:
-        column.enter = group
+    module.register_forward_pre_hook(lambda m, args: (enter(args[0], group), *args[1:]))
     if row is not None:
         def leave_hook(m, args, out):
             out = leave(out, group)
@@ -118,11 +103,11 @@ def apply_tensor_parallel(model: nn.Module, run_cfg, group, rank: int, tp: int) 
         attn.proj = RowParallelLinear(h // tp, h, cfg.bias, device)
         mlp.fc1 = ColumnParallelLinear(h, up // tp, bias=cfg.bias, device=device)
         mlp.fc2 = RowParallelLinear(f // tp, h, cfg.bias, device)
-        _install_region(attn, attn.qkv, group, sp, attn.proj)
-        _install_region(mlp, mlp.fc1, group, sp, mlp.fc2)
+        _install_region(attn, group, sp, attn.proj)
+        _install_region(mlp, group, sp, mlp.fc2)
     model.embed = VocabParallelEmbedding(cfg, group, rank, tp, sp, device)
     model.head = ColumnParallelLinear(h, cfg.vocab // tp, bias=False, device=device)
-    _install_region(model.head, model.head, group, sp, None)
+    _install_region(model.head, group, sp, None)
     return model
 
 

@@ -4,8 +4,7 @@ Every tensor-parallel byte of the native engine goes through this module. Each p
 forward op and its conjugate in backward, so a column-parallel linear followed by a row-parallel
 one costs one collective in forward and one in backward:
 
-    enter_column_parallel   forward identity     backward all-reduce      (enters  Y = X [A_1 … A_p];
-                                                                      overlaps the weight gradient)
+    copy_to_region          forward identity     backward all-reduce      (enters  Y = X [A_1 … A_p])
     reduce_from_region      forward all-reduce   backward identity        (leaves  Y = Σ_i X_i B_i)
     gather_from_sequence    forward all-gather   backward reduce-scatter  (enters a region from SP)
     reduce_scatter_sequence forward reduce-scatter backward all-gather    (leaves a region into SP)
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 
 def group_size(group) -> int:
@@ -62,30 +60,19 @@ def _owned(x: torch.Tensor) -> bool:
     return x.is_contiguous() and x._base is None
 
 
-class _EnterColumnParallel(torch.autograd.Function):
-    """copy_to_region and the column-parallel GEMM Y = X Aᵀ (+ b) in one node, so that backward orders
-    its work as Megatron's asynchronous tensor-parallel all-reduce does: the input gradient, its
-    all-reduce launched, the weight and bias gradients while it runs, then the wait. Casts as autocast
-    would (the weights to the activations' dtype), so the reduced gradient keeps the activations' width."""
-
+class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        w = weight.to(x.dtype)
-        ctx.save_for_backward(x, w)
-        ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        grad = grad.to(x.dtype)
-        grad_x = grad.matmul(w)  # (B, T, h), partial: summed over tp while the weight gradient is computed
-        work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-        flat = grad.reshape(-1, grad.shape[-1])
-        grad_w = flat.t().matmul(x.reshape(-1, x.shape[-1]))
-        grad_b = flat.sum(0) if ctx.has_bias else None
-        work.wait()
-        return grad_x, grad_w, grad_b, None
+        # The region's input feeds only column-parallel linears: its gradient is a fresh matmul output,
+        # reshaped to (B, T, h) (a view of a buffer of the same size that nothing else reads).
+        fresh = grad.is_contiguous() and (grad._base is None or grad._base.numel() == grad.numel())
+        grad = grad if fresh else grad.clone(memory_format=torch.contiguous_format)
+        return all_reduce(grad, ctx.group), None  # (B, T, h) over tp, in place
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -123,31 +110,28 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return all_gather_seq(grad, ctx.group), None  # (B, T/p, h) → (B, T, h)
 
 
-def activation(x: torch.Tensor) -> torch.Tensor:
+def _act(x: torch.Tensor) -> torch.Tensor:
     """Cast to the autocast dtype when autocast is on, so activation traffic is half-width."""
     if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
         return x.to(torch.get_autocast_dtype(x.device.type))
     return x
 
 
-def enter_column_parallel(x, weight, bias, group):
-    """The column-parallel GEMM entering a region: identity on x forward, all-reduce of its gradient
-    backward (overlapping the weight gradient's GEMM)."""
-    if group_size(group) == 1:
-        return F.linear(x, weight, bias)
-    return _EnterColumnParallel.apply(activation(x), weight, bias, group)
+def copy_to_region(x, group):
+    """Identity forward, all-reduce backward: the input of a column-parallel region."""
+    return _CopyToRegion.apply(_act(x), group) if group_size(group) > 1 else x
 
 
 def reduce_from_region(x, group):
     """All-reduce forward, identity backward: the output of a row-parallel region."""
-    return _ReduceFromRegion.apply(activation(x), group) if group_size(group) > 1 else x
+    return _ReduceFromRegion.apply(_act(x), group) if group_size(group) > 1 else x
 
 
 def gather_from_sequence(x, group):
     """All-gather along the sequence forward, reduce-scatter backward (SP → column-parallel)."""
-    return _GatherFromSequence.apply(activation(x), group) if group_size(group) > 1 else x
+    return _GatherFromSequence.apply(_act(x), group) if group_size(group) > 1 else x
 
 
 def reduce_scatter_sequence(x, group):
     """Reduce-scatter along the sequence forward, all-gather backward (row-parallel → SP)."""
-    return _ReduceScatterSequence.apply(activation(x), group) if group_size(group) > 1 else x
+    return _ReduceScatterSequence.apply(_act(x), group) if group_size(group) > 1 else x
