@@ -21,10 +21,9 @@ import time
 from typing import Callable
 
 from bench.config import RunConfig
-from bench.metrics.memory import MALLOC_ENV
 from bench.results import classify_error, failure_row
 
-_RANK_ENV = {**MALLOC_ENV, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu"}
+_RANK_ENV = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu"}
 
 
 def free_port() -> int:
@@ -132,7 +131,7 @@ class RankPool:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         saved = {k: os.environ.get(k) for k in _RANK_ENV}
-        os.environ.update(_RANK_ENV)  # inherited by the children at start (malloc reads it then)
+        os.environ.update(_RANK_ENV)  # inherited by the children at start
         try:
             self._results = ctx.Queue()
             self._tasks = [ctx.Queue() for _ in range(self.world)]

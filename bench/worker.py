@@ -1,13 +1,15 @@
 """One benchmark run on every rank: set up, train, measure, gather one result row on rank 0.
 
-Phases: warm-up steps → timed steps (step timer + peak-memory probe; the batch is built before the
-timer starts and the loss read after it stops) → the trainer's metered step, if it has a meter (the
-pipeline bubble) → one step under the communication and host-sync counters → with `profile`, one step
-under torch.profiler (bench.metrics.profile: a trace and an op table per rank). The instrumented steps
+Phases: warm-up steps → timed steps (step timer, and on CUDA the peak-memory probe; the batch is
+built before the timer starts and the loss read after it stops) → on CPU one step under the
+peak-memory probe → the trainer's metered step, if it has a meter (the pipeline bubble) → one step
+under the communication and host-sync counters → with `profile`, one step under torch.profiler
+(bench.metrics.profile: a trace and an op table per rank). The instrumented steps
 slow what they measure, so they are never timed; what they count per step is deterministic.
 """
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import time
@@ -144,8 +146,8 @@ def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer, trace_dir: str | 
     train = _with_fault(trainer.train, cfg, ctx.groups.rank) if cfg.fault != "none" else trainer.train
     try:
         losses, warmup_s = _warm_up(train, trainer, cfg, ctx.device)
-        timer = StepTimer(ctx.device)
-        with PeakMemory(ctx.device) as mem:
+        timer, mem = StepTimer(ctx.device), PeakMemory(ctx.device)
+        with mem if mem.free else contextlib.nullcontext():
             for step in range(cfg.warmup, cfg.warmup + cfg.steps):
                 batch = trainer.batch(step)
                 with timer:
@@ -153,6 +155,12 @@ def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer, trace_dir: str | 
                 losses.append(_value(loss))
         state = state_bytes(trainer.state_tensors())
         extra = cfg.warmup + cfg.steps
+        if not mem.free:  # a probe that slows its step watches an extra one, after a lead-in
+            batch = trainer.batch(extra)
+            with mem:
+                train(batch)
+                with mem.measured():
+                    train(batch)
         meter = trainer.meter()
         if meter is not None:
             with meter:

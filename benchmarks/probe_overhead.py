@@ -1,5 +1,5 @@
 """Probe overhead on the native engine: step time with the probes off, with the timed-step probes on
-(step timer, peak-memory probe), and with the instruments the worker only ever runs on separate,
+(the step timer; on CUDA also the free peak-memory probe), and with the instruments the worker only ever runs on separate,
 untimed steps (the pipeline busy/idle meter; the communication and host-sync counters).
 
 Variants alternate step by step, so load on the machine hits them alike; medians are reported.
@@ -22,7 +22,6 @@ def _probe(cfg_dict: dict, rounds: int) -> dict | None:
     from bench.distributed import ProcessGroups, init_from_env, shutdown
     from bench.layout import Layout
     from bench.metrics.comm import CommCounter
-    from bench.metrics.memory import PeakMemory
     from bench.metrics.sync import HostSyncCounter
     from bench.metrics.timer import StepTimer
     from bench.native.engine import NativeTrainer
@@ -47,7 +46,7 @@ def _probe(cfg_dict: dict, rounds: int) -> dict | None:
 
     for _ in range(rounds):
         timed("off")
-        timed("probes", PeakMemory(torch.device("cpu")), StepTimer(torch.device("cpu")))
+        timed("probes", StepTimer(torch.device("cpu")))  # what wraps a timed step on CPU
         timed("meter", trainer.meter())
         timed("counter", CommCounter(dim_of=groups.dim_of), HostSyncCounter())
     slowest = [None] * world
@@ -73,7 +72,7 @@ def main() -> None:
     base = statistics.median(times["off"])
     print(f"model {args.model} tp={args.tp} pp={args.pp} dp={args.dp} m={args.micro_batches}, "
           f"{args.rounds} rounds, median step (slowest rank):")
-    for name, label in (("off", "probes off"), ("probes", "step timer + peak memory (timed steps)"),
+    for name, label in (("off", "probes off"), ("probes", "step timer (timed steps)"),
                         ("meter", "pipeline bubble meter (its own untimed step)"),
                         ("counter", "comm + host-sync counters (untimed step only)")):
         med = statistics.median(times[name])

@@ -3,10 +3,8 @@ and the predicted communication must equal what the dispatcher-level counter mea
 byte and op for op, per dimension and per kind of collective, and the predicted model state what
 `Trainer.state_tensors` holds (one rule for every backend, DeepSpeed's own buffers included).
 
-Memory: the measured step peak (RSS high-water mark above the pre-step RSS) is compared with the
-predicted activation + transient bytes on the `small` model, whose tensors are large enough
-(≥ 64 KiB) for glibc to map and unmap them (MALLOC_ENV); on `tiny` they come from the heap that
-earlier runs in the warm process already grew, and the peak is noise.
+Memory: the measured step peak (live tensor bytes a step adds, bench.metrics.memory) is compared
+with the predicted step peak on the `small` model.
 """
 import json
 

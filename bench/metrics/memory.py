@@ -1,36 +1,41 @@
 """Memory probes: the step peak per rank and the persistent model-state bytes.
 
-CUDA: `max_memory_allocated` after a reset, minus what was allocated before the steps; beside it
-the caching allocator's reserved peak (absolute: what the process held from the device, the figure
-to compare with its memory) and how often an allocation had to free cached blocks and retry
-(`num_alloc_retries`: non-zero means fragmentation near the limit, and slow steps).
-CPU: there is no allocator statistic, so the kernel's RSS high-water mark (VmHWM) is reset through
-/proc/self/clear_refs before the timed steps and read after them; the peak is VmHWM minus the RSS
-before. It is repeatable only with glibc's heap returned to the OS (MALLOC_MMAP_THRESHOLD_ and
-MALLOC_TRIM_THRESHOLD_ set before Python starts: `MALLOC_ENV`, set by the launchers).
+The step peak is what the step's live tensors add at their largest, as the allocator counts them
+(the same quantity on every device, and the one the memory model predicts):
+- CUDA: `max_memory_allocated` after a reset, minus what was allocated before; beside it the caching
+  allocator's reserved peak (absolute: what the process held from the device, the figure to compare
+  with its memory) and how often an allocation had to free cached blocks and retry
+  (`num_alloc_retries`: non-zero means fragmentation near the limit, and slow steps). Reading them
+  costs nothing, so the probe wraps the timed steps.
+- CPU: torch's allocator keeps no statistics, so torch.profiler records every allocation and free
+  (`profile_memory`) and the peak is the running sum's maximum. Recording slows the step it watches,
+  so the worker gives it an extra, untimed step (after a lead-in step: a free is recorded only for
+  a block allocated while recording). (The process RSS is no substitute: it counts what
+  glibc keeps cached, and forcing glibc to return every block to make it repeatable page-faults
+  every allocation, which slowed CPU steps by about a third.)
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
-
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 class PeakMemory:
-    """Context manager: `.peak_bytes` is the memory added at the peak of the enclosed steps; on CUDA
-    also `.reserved_peak_bytes` and `.alloc_retries` (None on CPU, which has no such allocator)."""
+    """Context manager: `.peak_bytes` is the memory the steps it watches add at their peak; on CUDA also
+    `.reserved_peak_bytes` and `.alloc_retries` (None on CPU, which has no such allocator). `free`:
+    whether the probe costs the steps it watches nothing (CUDA: it wraps the timed steps).
+
+    On CPU it watches the step inside `measured()`, recording from `__enter__` on: a free is recorded
+    only for a block allocated while recording, so the caller runs one lead-in step first (what the
+    measured step frees, such as the previous step's gradients, was allocated there)."""
+
+    MARK = "parabench.measured_step"
 
     def __init__(self, device: torch.device):
         self.device, self.peak_bytes = device, 0
         self.reserved_peak_bytes = self.alloc_retries = None
+        self.free = device.type == "cuda"
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -39,10 +44,14 @@ class PeakMemory:
             self._base = torch.cuda.memory_allocated(self.device)
             self._retries = _alloc_retries(self.device)
         else:
-            self._base = _status_bytes("VmRSS:")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
+            from torch.profiler import ProfilerActivity, profile
+            self._recorder = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._recorder.__enter__()
         return self
+
+    def measured(self):
+        """The step whose peak is read (CPU); on CUDA every step inside the probe is."""
+        return torch.profiler.record_function(self.MARK) if not self.free else contextlib.nullcontext()
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
@@ -51,8 +60,26 @@ class PeakMemory:
             self.reserved_peak_bytes = torch.cuda.max_memory_reserved(self.device)
             self.alloc_retries = _alloc_retries(self.device) - self._retries
         else:
-            self.peak_bytes = max(_status_bytes("VmHWM:") - self._base, 0)
+            self._recorder.__exit__(None, None, None)
+            self.peak_bytes = _peak_of_records(self._recorder.profiler.kineto_results.events(), self.MARK)
         return False
+
+
+def _peak_of_records(events, mark: str) -> int:
+    """Over the `mark`ed span: the largest running sum of the recorded allocations (+) and frees (−)
+    above the sum at its start."""
+    span = next(e for e in events if e.name() == mark)
+    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live, start, peak = 0, None, 0
+    for e in memory:
+        if start is None and e.start_ns() >= span.start_ns():
+            start = peak = live
+        if start is not None and e.start_ns() > span.end_ns():
+            break
+        live += e.nbytes()
+        if start is not None:
+            peak = max(peak, live)
+    return 0 if start is None else peak - start
 
 
 def _alloc_retries(device: torch.device) -> int:

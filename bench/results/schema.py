@@ -216,9 +216,9 @@ DECLARED: list[Column | Family] = [
     _measured("mfu", "float", "fraction", "tflops_per_device over peak_flops", "slowest"),
     Column("peak_flops", "float", "the declared peak FLOP/s of one device (MFU's denominator)", Kind.ENVIRONMENT,
            "FLOP/s", "rank0"),
-    _measured("peak_mem_bytes", "float", "bytes", "memory added at the peak of the timed steps (CUDA allocator; "
-              "on CPU the RSS high-water mark after a /proc/self/clear_refs reset)", "max", Compare.LOWER,
-              floor=2.0**20),  # the CPU probe reads whole pages of RSS
+    _measured("peak_mem_bytes", "float", "bytes", "live tensor bytes a step adds at its peak (CUDA: the "
+              "allocator over the timed steps; CPU: torch.profiler's allocation records over one extra step)",
+              "max", Compare.LOWER, floor=2.0**20),
     _measured("peak_mem_reserved_bytes", "float", "bytes", "CUDA: the caching allocator's reserved-memory peak "
               "during the timed steps (absolute, not added); None on CPU", "max"),
     _measured("alloc_retries", "float", "", "CUDA: allocator retries (cudaMalloc failed, cache flushed) during the "
