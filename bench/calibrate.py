@@ -6,11 +6,13 @@ with CUDA events and NCCL on a GPU node. Compute figures come from rank 0 alone;
 oversubscription factor from k ranks running the same matmul loop at once; the collectives from
 groups of 2..world ranks (each group its own default group: ranks beyond it sit the call out).
 
-    matmul            FLOP/s by dtype over square shapes (the efficiency curve)
-    memory_bw         bytes/s of elementwise and norm kernels (add, layer norm, GELU; the median)
+    matmul            FLOP/s by dtype over square shapes, operands read cold (the efficiency curve)
+    memory_bw         bytes/s of elementwise and norm kernels (add, layer norm; the median)
+    activation_bw     bytes/s of each MLP activation (tanh GELU, SwiGLU)
+    composition       a fixed transformer block's forward + backward, measured / modelled from the above
     op_overhead_s     one aten op of forward + backward through tiny modules (module call, dispatch, autograd)
     optimizer         one AdamW step with gradient clipping, per parameter and per tensor
-    collectives       latency (4-byte op) and bandwidth (large op, ring wire bytes) per op and group
+    collectives       seconds per op over message sizes, per op and group size, every group busy at once
     oversubscription  k ranks' matmul time / one rank's
 
 The profile is written to a temporary file and renamed into place: an interrupted calibration
@@ -23,6 +25,7 @@ import platform
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench.analysis.hardware import PROFILES, Calibration, Hardware, hardware_to_dict, profile_dir
@@ -85,29 +88,42 @@ def _device():
 
 # --- compute (rank 0) -----------------------------------------------------------------------------
 def matmul_curve(sizes, window_s: float) -> dict:
+    """FLOP/s by dtype over square shapes, the operands cycling through enough copies (up to 64, some
+    32 MiB in all) that each product reads them cold, as a training step's GEMMs do."""
     import torch
     dev = _device()
     out = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         curve = []
         for n in sizes:
-            a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-            t = per_call(lambda: a @ b, dev, window_s)
+            copies = max(1, min(64, (32 << 20) // (2 * n * n * dtype.itemsize)))
+            pairs = [(torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype))
+                     for _ in range(copies)]
+            turn = iter(range(1 << 62))
+
+            def product():
+                a, b = pairs[next(turn) % copies]
+                return a @ b
+            t = per_call(product, dev, window_s)
             curve.append([2.0 * n**3, 2.0 * n**3 / t])
         out[name] = curve
     return out
 
 
-def memory_bandwidth(window_s: float, n: int = 1 << 20) -> float:
+def memory_bandwidth(window_s: float, n: int = 1 << 20) -> dict:
+    """Bytes read + written per second: `memory_bw` by plain elementwise and norm kernels (add, layer
+    norm; the median), `activation_bw` by each MLP activation the model has (tanh GELU, SwiGLU's
+    SiLU × up), which on a CPU are compute-bound at a fraction of that."""
     import torch
     import torch.nn.functional as F
     dev = _device()
     a, b, c = (torch.randn(n, device=dev) for _ in range(3))
     x = a.view(-1, 256)
-    rates = [12 * n / per_call(lambda: torch.add(a, b, out=c), dev, window_s),
-             8 * n / per_call(lambda: F.layer_norm(x, (256,)), dev, window_s),
-             8 * n / per_call(lambda: F.gelu(a), dev, window_s)]
-    return statistics.median(rates)
+    plain = [12 * n / per_call(lambda: torch.add(a, b, out=c), dev, window_s),
+             8 * n / per_call(lambda: F.layer_norm(x, (256,)), dev, window_s)]
+    activation = {"gelu": 8 * n / per_call(lambda: F.gelu(a, approximate="tanh"), dev, window_s),
+                  "swiglu": 12 * n / per_call(lambda: F.silu(a) * b, dev, window_s)}
+    return {"memory_bw": statistics.median(plain), "activation_bw": activation}
 
 
 def op_overhead(window_s: float, blocks: int = 8) -> float:
@@ -164,8 +180,44 @@ def measure_compute(sizes: dict) -> dict | None:
         return None
     w = sizes["window_s"]
     per_param, per_tensor = optimizer_cost(w)
-    return {"matmul": matmul_curve(sizes["matmul"], w), "memory_bw": memory_bandwidth(w, sizes["elementwise"]),
-            "op_overhead_s": op_overhead(w), "optimizer_s_per_param": per_param, "optimizer_s_per_tensor": per_tensor}
+    return {"matmul": matmul_curve(sizes["matmul"], w), **memory_bandwidth(w, sizes["elementwise"]),
+            "op_overhead_s": op_overhead(w), "optimizer_s_per_param": per_param, "optimizer_s_per_tensor": per_tensor,
+            "block_s": block_seconds(w)}
+
+
+# A fixed transformer block, no preset of the suite: the composition factor is the machine's, not a model's.
+REFERENCE_BLOCK = dict(name="calibration-block", vocab=256, seq_len=256, layers=1, hidden=384, heads=6,
+                       ffn_hidden=1536)
+
+
+def block_seconds(window_s: float) -> float:
+    """Forward + backward of REFERENCE_BLOCK (batch 1, fp32) through autograd."""
+    import torch
+    from models.config import GPTConfig
+    from models.gpt import Block
+    dev = _device()
+    cfg = GPTConfig(**REFERENCE_BLOCK)
+    block = Block(cfg, device=dev)
+    x = torch.randn(1, cfg.seq_len, cfg.hidden, device=dev, requires_grad=True)
+    return per_call(lambda: block(x).sum().backward(), dev, window_s)
+
+
+def composition(cal: Calibration) -> float:
+    """Measured / modelled compute of REFERENCE_BLOCK: what running the kernels one after another in a
+    step costs beyond each micro-benchmark alone (caches the neighbours evict, transposed and skinny
+    operands). The time model multiplies compute by it; < 1 is taken as 1."""
+    from types import SimpleNamespace
+
+    from bench.analysis import time_model
+    from models.config import GPTConfig
+    mc = GPTConfig(**REFERENCE_BLOCK)
+    shape = SimpleNamespace(model_config=mc, tp=1, micro_batch=1, seq=mc.seq_len, dtype="fp32",
+                            sequence_parallel=False, world=1)
+    dev = time_model.Device(profile_from(replace(cal, composition=1.0), None), shape)
+    fwd, bwd, _ = time_model.layer_work(shape, "suite")
+    modelled = dev.compute(fwd) + dev.compute(bwd)
+    overhead = dev.overhead(fwd) + dev.overhead(bwd)
+    return max(1.0, (cal.block_s - overhead) / modelled)
 
 
 def matmul_loop(k: int, window_s: float, n: int = 256) -> float | None:
@@ -202,14 +254,30 @@ def measure_collectives(group: int, sizes: tuple, window_s: float) -> dict | Non
                    "all_gather": lambda: dist.all_gather_into_tensor(full, part, group=mine),
                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=mine),
                    "send": lambda: _ping(full, peer, rank) if peer < world else None}
-            reps = 30 if nbytes < 1 << 16 else 4
+            reps = 30 if nbytes < 1 << 16 else 8
             for op, fn in ops.items():
                 dist.barrier()
                 if mine is not None:
-                    out[op].append([4.0 * n, per_call(fn, dev, window_s, reps)])
+                    out[op].append([4.0 * n, _in_a_step(fn, dev, window_s, reps)])
         return out if mine is not None else None
     finally:
         dist.destroy_process_group()
+
+
+def _in_a_step(op, dev, window_s: float, reps: int) -> float:
+    """Seconds of one collective as a training step meets it on a CPU: after some compute (about a
+    millisecond of matmuls), so its cost includes waking the waiting rank and gloo's thread, which
+    back-to-back calls never pay; the compute alone is timed and taken off. On a GPU, back to back."""
+    import torch
+    if dev.type != "cpu":
+        return per_call(op, dev, window_s, reps)
+    a = torch.randn(256, 256, device=dev)
+
+    def compute():
+        for _ in range(8):
+            a @ a
+    alone = per_call(compute, dev, window_s, reps)
+    return max(per_call(lambda: (compute(), op()), dev, window_s, reps) - alone, 1e-7)
 
 
 def _ping(x, peer: int, rank: int) -> None:
@@ -278,8 +346,8 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
             tick(f"collectives in groups of {g}")
     info = machine()
     info.update(quick=quick, world=world, steps=steps)
-    cal = Calibration(machine=info, collectives=colls, oversubscription=slow, **compute)
-    return profile_from(cal, name)
+    cal = Calibration(machine=info, collectives=colls, oversubscription=slow, composition=1.0, **compute)
+    return profile_from(replace(cal, composition=composition(cal)), name)
 
 
 def _cuda_available() -> bool:

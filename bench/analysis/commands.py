@@ -275,7 +275,8 @@ def calibrate(world, out, name, quick):
     click.echo(f"wrote {path} (profile {hw.name!r}; use --hardware {hw.name if not out else path})")
     click.echo(f"  matmul fp32 up to {hw.peak_flops['fp32'] / 1e9:,.1f} GFLOP/s, bf16 up to "
                f"{hw.peak_flops.get('bf16', 0) / 1e9:,.1f}; memory {cal.memory_bw / 1e9:.2f} GB/s; "
-               f"op {cal.op_overhead_s * 1e6:.1f} µs; AdamW {cal.optimizer_s_per_param * 1e9:.2f} ns/param")
+               f"op {cal.op_overhead_s * 1e6:.1f} µs; AdamW {cal.optimizer_s_per_param * 1e9:.2f} ns/param; "
+               f"a block's kernels together ×{cal.composition:.2f} their time alone")
     for op, table in cal.collectives.items():
         click.echo(f"  {op:<15}" + "  ".join(f"n={n}: " + ", ".join(f"{_size(b)} {t * 1e3:.2f} ms" for b, t in points)
                                               for n, points in sorted(table.items())))

@@ -275,6 +275,8 @@ class Calibration:
     """dtype → [[FLOP per call, achieved FLOP/s], ...] over a range of shapes, sorted by FLOP."""
     memory_bw: float
     """Bytes read + written per second by elementwise and norm kernels."""
+    activation_bw: dict
+    """MLP activation ("gelu": tanh GELU, "swiglu": SiLU × up) → bytes read + written per second."""
     op_overhead_s: float
     """Seconds one small op costs in forward + autograd (dispatch, allocation), beyond its work."""
     optimizer_s_per_param: float
@@ -287,6 +289,11 @@ class Calibration:
     largest segment's rate: a mid-size message is not as fast as a line through the extremes says."""
     oversubscription: dict
     """ranks → slowdown of compute when that many ranks share the machine (1 when each has a core)."""
+    block_s: float
+    """Seconds of a fixed transformer block's forward + backward (bench.calibrate.REFERENCE_BLOCK)."""
+    composition: float
+    """That block's measured / modelled compute (≥ 1): the kernels of a step run slower one after another
+    than each alone; the time model's compute is multiplied by it."""
 
     def matmul_rate(self, dtype: str, flops: float) -> float:
         """Achieved FLOP/s of a matmul of `flops`, interpolated in log FLOP on the measured curve."""
@@ -332,7 +339,8 @@ class Calibration:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-_CAL_FIGURES = ("memory_bw", "op_overhead_s", "optimizer_s_per_param", "optimizer_s_per_tensor")
+_CAL_FIGURES = ("memory_bw", "op_overhead_s", "optimizer_s_per_param", "optimizer_s_per_tensor", "block_s",
+                "composition")
 
 
 def calibration_from_dict(data: dict, where: str) -> Calibration:
@@ -350,6 +358,10 @@ def calibration_from_dict(data: dict, where: str) -> Calibration:
         if not isinstance(data[key], (int, float)) or data[key] < 0:
             raise ValueError(f"{where}: calibration.{key} is {data[key]!r}; it must be a number ≥ 0 "
                              "(rerun `bench calibrate`)")
+    if not isinstance(data["activation_bw"], dict) or any(
+            not isinstance(v, (int, float)) or v <= 0 for v in data["activation_bw"].values()):
+        raise ValueError(f"{where}: calibration.activation_bw must map activations to bytes/s > 0 "
+                         "(rerun `bench calibrate`)")
     for dtype, curve in data["matmul"].items():
         if not curve or any(len(p) != 2 or p[0] <= 0 or p[1] <= 0 for p in curve):
             raise ValueError(f"{where}: calibration.matmul.{dtype} must list [FLOP, FLOP/s] pairs > 0 "

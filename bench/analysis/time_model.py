@@ -2,15 +2,20 @@
 
 Per pipeline rank and micro-batch, each chunk's forward and backward cost (per tp rank):
     matmuls     FLOPs of each GEMM / the rate its shape gets: the calibrated curve (FLOP/s by FLOP per
-                call and dtype), else peak × large-GEMM efficiency × tile and wave quantisation, and
-                never faster than reading and writing its operands at the memory bandwidth
-    memory      bytes that elementwise and norm kernels read and write / memory bandwidth
+                matrix and dtype; a batched GEMM runs as that many small ones), else peak × large-GEMM
+                efficiency × tile and wave quantisation, and never faster than reading and writing
+                its operands at the memory bandwidth
+    memory      bytes that elementwise and norm kernels read and write / memory bandwidth, and the MLP
+                activation's bytes / its own calibrated rate (compute-bound on a CPU)
+    gradients   this suite's engines: each fp32 gradient zeroed once a step and accumulated into by
+                every micro-batch's backward, as memory-bound bytes
     overhead    ops × per-op dispatch cost (calibrated; 0 on GPU, where launches run ahead of the device)
     recompute   full: the layer's forward again in backward; selective: its attention core
     tp          every tp collective of the micro-batch, on the critical path (no overlap)
     pp          one send per chunk boundary crossed, forward and backward, on the critical path
 Backward costs twice the forward's matmuls and memory traffic (gradients of inputs and of weights).
-Ranks that outnumber the cores slow compute by the calibrated oversubscription factor.
+Ranks that outnumber the cores slow compute by the calibrated oversubscription factor, and a
+calibrated profile's composition factor (a reference block measured / modelled) scales compute.
 
 Per step (the busiest pipeline rank sets the pace):
     busy        m × Σ its chunks' (forward + backward + tp + pp)
@@ -70,8 +75,8 @@ class Matmul:
 def matmul_time(mm: Matmul, hw: Hardware, dtype: str, elem: int) -> float:
     key = dtype_key(dtype)
     cal = hw.calibration
-    if cal is not None:
-        return mm.flops / cal.matmul_rate(key, mm.flops)
+    if cal is not None:  # a batched GEMM runs as `batch` small ones: the rate of one of them
+        return mm.flops / cal.matmul_rate(key, mm.flops / mm.batch)
     sms = GPU_SMS.get(hw.name)
     quant = 1.0
     if sms:  # output tiles run in waves of one tile per SM: a partial last wave idles the rest
@@ -86,14 +91,17 @@ def matmul_time(mm: Matmul, hw: Hardware, dtype: str, elem: int) -> float:
 
 @dataclass(frozen=True)
 class Work:
-    """One pass of some part of the model on one tp rank: GEMMs, memory-bound bytes, ops."""
+    """One pass of some part of the model on one tp rank: GEMMs, memory-bound bytes, ops, and the bytes
+    the MLP activation reads and writes (compute-bound on a CPU: its own calibrated rate)."""
 
     matmuls: tuple[Matmul, ...] = ()
     bytes: float = 0.0
     ops: int = 0
+    act_bytes: float = 0.0
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.matmuls + other.matmuls, self.bytes + other.bytes, self.ops + other.ops)
+        return Work(self.matmuls + other.matmuls, self.bytes + other.bytes, self.ops + other.ops,
+                    self.act_bytes + other.act_bytes)
 
 
 def backward_gemms(mms) -> tuple[Matmul, ...]:
@@ -129,8 +137,8 @@ def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
     low = dtype_key(cfg.dtype) != "fp32"
     casts = (2 * x * 6 + sum(mm.k * mm.n for mm in gemms) * 6) if low else 0
     ops = SUITE_OPS[dtype_key(cfg.dtype)]
-    fwd = Work(gemms + core, 2 * 2 * 4 * x + 2 * 3 * 4 * x + 2 * e * ffn + casts, ops[0])
-    bwd = Work(backward_gemms(gemms + core), 2 * 3 * 4 * x + 2 * 2 * 4 * x + 3 * e * ffn + casts, ops[1])
+    fwd = Work(gemms + core, 2 * 2 * 4 * x + 2 * 3 * 4 * x + casts, ops[0], act_bytes=2 * e * ffn)
+    bwd = Work(backward_gemms(gemms + core), 2 * 3 * 4 * x + 2 * 2 * 4 * x + casts, ops[1], act_bytes=3 * e * ffn)
     return fwd, bwd, Work(core)
 
 
@@ -153,14 +161,17 @@ class Device:
         self.hw, self.cfg = hw, cfg
         cal = hw.calibration
         self.slow = cal.slowdown(cfg.world) if cal else 1.0
+        self.composed = cal.composition if cal else 1.0  # kernels in a step vs alone (bench calibrate)
         self.bw = (cal.memory_bw if cal else hw.memory_bw) or 0.0
+        activation = "swiglu" if cfg.model_config.activation == "swiglu" else "gelu"
+        self.act_bw = cal.activation_bw.get(activation, self.bw) if cal else self.bw
         self.op_s = cal.op_overhead_s if cal else 0.0
         self.elem = precision(cfg.dtype).act
 
     def compute(self, w: Work) -> float:
         mm = sum(matmul_time(m, self.hw, self.cfg.dtype, self.elem) for m in w.matmuls)
-        mem = w.bytes / self.bw if self.bw else 0.0
-        return (mm + mem) * self.slow
+        mem = (w.bytes / self.bw + w.act_bytes / self.act_bw) if self.bw else 0.0
+        return (mm + mem) * self.slow * self.composed
 
     def overhead(self, w: Work) -> float:
         return w.ops * self.op_s * self.slow
@@ -247,7 +258,18 @@ def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_sta
     per_mb = [tr for tr in traffic if tr.per == "micro-batch"]
     tp = sum(collective_time(tr, hw, *links["tp"]) * tr.ops for tr in per_mb if tr.dim == "tp")
     pp = sum(collective_time(tr, hw, *links["pp"]) * tr.ops for tr in per_mb if tr.dim == "pp")
-    return StageTime(m * (f + b), m * Device(hw, cfg).overhead(Work((), 0, ops)), tp, pp, b, traffic)
+    dev = Device(hw, cfg)
+    return StageTime(m * (f + b) + gradient_upkeep(cfg, rank, dev, impl), m * dev.overhead(Work((), 0, ops)),
+                     tp, pp, b, traffic)
+
+
+def gradient_upkeep(cfg, rank, dev: Device, impl: str) -> float:
+    """This suite's engines keep each fp32 gradient through autograd: zeroed once a step (4 bytes per
+    parameter) and accumulated into by every micro-batch's backward (read both, write: 12). Megatron-LM
+    (`table2`) fuses the accumulation into the weight-gradient GEMM."""
+    if impl != "suite":
+        return 0.0
+    return dev.compute(Work((), (4 + 12 * cfg.micro_batches) * rank.params))
 
 
 def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:
