@@ -258,7 +258,7 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
     - the loss's backward (last stage): every activation held, the loss's gradients;
     - a block's backward: the activations held (the head's freed), the block's working set (full
       recompute: the block's activations recomputed), the gradients backward has already made (the
-      head's), gathered parameters;
+      head's), gathered parameters, ZeRO-1/2's reduction bucket;
     - ZeRO-3, the end of the forward: the gathered parameters and the all-gather's flat buffer;
     - DeepSpeed's gradient reduction after backward (ZeRO-0 at dp > 1, ZeRO-1/2): the gradients and
       their copy in the reduction bucket (activations freed); ZeRO-3's reduce-scatter of them likewise."""
@@ -270,7 +270,8 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
         work += layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, "none",
                                        prec.act, act)
     made = head_params_local(m, cfg.tp, cfg.pp) * prec.grad if rank.last and _grads_made_by_backward(cfg) else 0
-    moments = [held - head_held + work + made + in_blocks]  # the head's backward has freed its activations
+    bucket = _zero12_bucket_bytes(plan, prec) if cfg.backend == "deepspeed" and cfg.zero in (1, 2) else 0.0
+    moments = [held - head_held + work + made + in_blocks + bucket]  # the head's backward freed its activations
     if rank.last:
         moments.append(held + loss_backward_bytes(m, tokens, cfg.tp) + at_loss)
     if cfg.backend == "deepspeed" and cfg.zero == 3 and cfg.dp > 1:
@@ -354,14 +355,21 @@ def _zero3_reduction_bytes(plan, stage: int, prec: Precision) -> float:
 
 
 def _zero12_reduction_bytes(plan, stage: int, prec: Precision) -> float:
-    """ZeRO-1/2's gradient reduction (overlap_comm off): the gradients not yet reduced and their copy in
-    the contiguous reduction bucket (reduce_bucket_size elements, of which the gradients fill at most
-    their own count; RSS counts only the touched pages of the bucket, the CUDA allocator the whole).
-    ZeRO-0 (its engine's bucketed all-reduce) and ZeRO-1 reduce after backward, so every gradient
-    backward made is there; ZeRO-2 reduces (and frees) them bucket by bucket as backward makes them."""
+    """ZeRO-0/1/2's gradient reduction (overlap_comm off): the gradients not yet reduced and the
+    reduction bucket. ZeRO-0 (its engine's bucketed all-reduce) and ZeRO-1 reduce after backward, so
+    every gradient backward made is there; ZeRO-2 reduces (and frees) them bucket by bucket as backward
+    makes them. The bucket: ZeRO-1/2's contiguous one (`_zero12_bucket_bytes`), ZeRO-0's a flat copy
+    of one bucket's worth of gradients."""
     n = plan.ranks[stage].params
-    bucket = min(n, deepspeed_settings(plan.cfg)["reduce_bucket_size"])
-    return ((bucket if plan.cfg.zero == 2 else n) + bucket) * prec.grad
+    filled = min(n, deepspeed_settings(plan.cfg)["reduce_bucket_size"])
+    bucket = _zero12_bucket_bytes(plan, prec) if plan.cfg.zero in (1, 2) else filled * prec.grad
+    return (filled if plan.cfg.zero == 2 else n) * prec.grad + bucket
+
+
+def _zero12_bucket_bytes(plan, prec: Precision) -> float:
+    """ZeRO-1/2 with contiguous_gradients: backward starts by allocating the whole reduction bucket
+    (reduce_bucket_size elements, however few gradients fill it; freed after the reduction)."""
+    return deepspeed_settings(plan.cfg)["reduce_bucket_size"] * prec.grad
 
 
 def model_state(plan, stage: int, prec: Precision) -> dict:
