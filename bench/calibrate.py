@@ -3,7 +3,7 @@ reads (bench.analysis.hardware.Calibration, bench.analysis.time_model).
 
 Measured where the benchmark's ranks run: in RankPool ranks (one thread each, the same allocator),
 with CUDA events and NCCL on a GPU node. Compute figures come from rank 0 alone; the
-oversubscription factor from k ranks running the same matmul loop at once; the collectives from
+oversubscription factor from k ranks running the same reference block at once; the collectives from
 groups of 2..world ranks (each group its own default group: ranks beyond it sit the call out).
 
     matmul            FLOP/s by dtype over square shapes, operands read cold (the efficiency curve)
@@ -13,7 +13,7 @@ groups of 2..world ranks (each group its own default group: ranks beyond it sit 
     op_overhead_s     one aten op of forward + backward through tiny modules (module call, dispatch, autograd)
     optimizer         one AdamW step with gradient clipping, per parameter and per tensor
     collectives       seconds per op over message sizes, per op and group size, every group busy at once
-    oversubscription  k ranks' matmul time / one rank's
+    oversubscription  k ranks' reference-block time / one rank's
 
 The profile is written to a temporary file and renamed into place: an interrupted calibration
 leaves the previous profile (or none), never half of one.
@@ -220,14 +220,12 @@ def composition(cal: Calibration) -> float:
     return max(1.0, (cal.block_s - overhead) / modelled)
 
 
-def matmul_loop(k: int, window_s: float, n: int = 256) -> float | None:
-    """Ranks < k: seconds per fp32 matmul while k ranks run the same loop."""
+def block_loop(k: int, window_s: float) -> float | None:
+    """Ranks < k: seconds of REFERENCE_BLOCK's forward + backward while k ranks run it at once (a
+    step's mix of GEMMs and memory-bound kernels: they share caches and memory bandwidth too)."""
     if int(os.environ["RANK"]) >= k:
         return None
-    import torch
-    dev = _device()
-    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
-    return per_call(lambda: a @ b, dev, window_s)
+    return block_seconds(window_s)
 
 
 # --- collectives (ranks < group) ------------------------------------------------------------------
@@ -333,7 +331,7 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
         base = None
         slow = {}
         for k in range(1, world + 1):
-            t = statistics.median(v for v in pool.call(matmul_loop, k, sizes["window_s"]) if v is not None)
+            t = statistics.median(v for v in pool.call(block_loop, k, sizes["window_s"]) if v is not None)
             base = base or t
             slow[k] = max(1.0, t / base)
             tick(f"{k} rank(s) computing at once")
