@@ -20,6 +20,7 @@ leaves the previous profile (or none), never half of one.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import statistics
@@ -97,12 +98,11 @@ def matmul_curve(sizes, window_s: float) -> dict:
         curve = []
         for n in sizes:
             copies = max(1, min(64, (32 << 20) // (2 * n * n * dtype.itemsize)))
-            pairs = [(torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype))
-                     for _ in range(copies)]
-            turn = iter(range(1 << 62))
+            pairs = itertools.cycle([(torch.randn(n, n, device=dev, dtype=dtype),
+                                      torch.randn(n, n, device=dev, dtype=dtype)) for _ in range(copies)])
 
             def product():
-                a, b = pairs[next(turn) % copies]
+                a, b = next(pairs)
                 return a @ b
             t = per_call(product, dev, window_s)
             curve.append([2.0 * n**3, 2.0 * n**3 / t])
