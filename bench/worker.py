@@ -1,7 +1,7 @@
 """One benchmark run on every rank: set up, train, measure, gather one result row on rank 0.
 
 Phases: warm-up steps → timed steps (step timer, and on CUDA the peak-memory probe; the batch is
-built before the timer starts and the loss read after it stops) → on CPU one step under the
+built before the timer starts and the loss read after it stops) → on CPU a lead-in step and one step under the
 peak-memory probe → the trainer's metered step, if it has a meter (the pipeline bubble) → one step
 under the communication and host-sync counters → with `profile`, one step under torch.profiler
 (bench.metrics.profile: a trace and an op table per rank). The instrumented steps
