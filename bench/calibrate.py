@@ -242,6 +242,7 @@ def measure_collectives(group: int, sizes: tuple, window_s: float) -> dict | Non
         blocks = [list(range(s, s + group)) for s in range(0, world - group + 1, group)]
         made = [dist.new_group(b) for b in blocks]  # collective: every rank makes every group
         mine = next((g for b, g in zip(blocks, made) if rank in b), None)
+        timing = _AfterCompute(dev, window_s)
         out = {op: [] for op in OPS}
         for nbytes in sizes:
             n = max(1, nbytes // 4)
@@ -256,26 +257,29 @@ def measure_collectives(group: int, sizes: tuple, window_s: float) -> dict | Non
             for op, fn in ops.items():
                 dist.barrier()
                 if mine is not None:
-                    out[op].append([4.0 * n, _in_a_step(fn, dev, window_s, reps)])
+                    out[op].append([4.0 * n, timing.seconds(fn, reps)])
         return out if mine is not None else None
     finally:
         dist.destroy_process_group()
 
 
-def _in_a_step(op, dev, window_s: float, reps: int) -> float:
-    """Seconds of one collective as a training step meets it on a CPU: after some compute (about a
-    millisecond of matmuls), so its cost includes waking the waiting rank and gloo's thread, which
-    back-to-back calls never pay; the compute alone is timed and taken off. On a GPU, back to back."""
-    import torch
-    if dev.type != "cpu":
-        return per_call(op, dev, window_s, reps)
-    a = torch.randn(256, 256, device=dev)
+class _AfterCompute:
+    """Times a collective as a training step meets it on a CPU: after some compute (about a millisecond
+    of matmuls), so its cost includes waking the waiting rank and gloo's thread, which back-to-back
+    calls never pay; the compute alone, timed once, is taken off. On a GPU, back to back."""
 
-    def compute():
-        for _ in range(8):
-            a @ a
-    alone = per_call(compute, dev, window_s, reps)
-    return max(per_call(lambda: (compute(), op()), dev, window_s, reps) - alone, 1e-7)
+    def __init__(self, dev, window_s: float):
+        import torch
+        self.dev, self.window_s = dev, window_s
+        if dev.type == "cpu":
+            a = torch.randn(256, 256, device=dev)
+            self.compute = lambda: [a @ a for _ in range(8)]
+            self.alone = per_call(self.compute, dev, window_s)
+
+    def seconds(self, op, reps: int) -> float:
+        if self.dev.type != "cpu":
+            return per_call(op, self.dev, self.window_s, reps)
+        return max(per_call(lambda: (self.compute(), op()), self.dev, self.window_s, reps) - self.alone, 1e-7)
 
 
 def _ping(x, peer: int, rank: int) -> None:
@@ -378,7 +382,8 @@ def link_figures(cal: Calibration) -> tuple[float, float]:
     """(latency s, wire bytes/s) of a pair's all-reduce, from its curve's ends: the profile's summary
     figures for the layout explainer and whatever reads a link, not the time model (it reads the curve)."""
     from bench.analysis.comm import wire_bytes
-    (_, small), (big_b, big_t) = cal.curve("all_reduce", 2)[0], cal.curve("all_reduce", 2)[-1]
+    points = cal.curve("all_reduce", 2)
+    (_, small), (big_b, big_t) = points[0], points[-1]
     return small, wire_bytes("all_reduce", big_b, 2) / max(big_t - small, big_t / 2)
 
 

@@ -84,10 +84,7 @@ def print_table(cfgs, rows) -> list[float]:
         errors.append(err)
         terms = " ".join(f"{row[f'pred_{t}_s'] * 1e3:.1f}" for t in TERMS)
         print(f"{describe(cfg):<44}{row['step_time_s'] * 1e3:>12.1f}{pred * 1e3:>10.1f}{err:>+8.1%}   {terms}")
-    if errors:
-        absolute = [abs(e) for e in errors]
-        print(f"|error|: median {statistics.median(absolute):.1%}, max {max(absolute):.1%} over {len(errors)} configs "
-              f"(profile: {rows[0].get('pred_hardware')})")
+    print_spread("|error|", errors, f" (profile: {rows[0].get('pred_hardware')})")
     return errors
 
 
@@ -104,11 +101,15 @@ def print_memory_table(cfgs, rows) -> list[float]:
         errors.append(err)
         per_rank = " ".join(f"{b / MiB:.1f}" for b in json.loads(row["peak_mem_bytes_per_rank"]))
         print(f"{describe(cfg):<44}{measured / MiB:>13.1f}{pred / MiB:>10.1f}{err:>+8.1%}   {per_rank}")
+    print_spread("peak memory |error|", errors)
+    return errors
+
+
+def print_spread(label: str, errors: list[float], note: str = "") -> None:
     if errors:
         absolute = [abs(e) for e in errors]
-        print(f"peak memory |error|: median {statistics.median(absolute):.1%}, max {max(absolute):.1%} "
-              f"over {len(errors)} configs")
-    return errors
+        print(f"{label}: median {statistics.median(absolute):.1%}, max {max(absolute):.1%} over {len(errors)} "
+              f"configs{note}")
 
 
 def main() -> None:

@@ -261,6 +261,7 @@ def calibrate(world, out, name, quick):
     cores) into a hardware profile the time model reads."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from bench.analysis.hardware import format_bytes
     from bench.calibrate import calibrate as measure
     from bench.calibrate import write_profile
     groups = len({g for g in (2, 4, 8, world) if 2 <= g <= world})
@@ -278,17 +279,10 @@ def calibrate(world, out, name, quick):
                f"op {cal.op_overhead_s * 1e6:.1f} µs; AdamW {cal.optimizer_s_per_param * 1e9:.2f} ns/param; "
                f"a block's kernels together ×{cal.composition:.2f} their time alone")
     for op, table in cal.collectives.items():
-        click.echo(f"  {op:<15}" + "  ".join(f"n={n}: " + ", ".join(f"{_size(b)} {t * 1e3:.2f} ms" for b, t in points)
+        click.echo(f"  {op:<15}" + "  ".join(f"n={n}: " + ", ".join(f"{format_bytes(b)} {t * 1e3:.2f} ms" for b, t in points)
                                               for n, points in sorted(table.items())))
     click.echo("  ranks sharing the machine slow compute ×" +
                ", ".join(f"{f:.2f} ({k})" for k, f in sorted(cal.oversubscription.items())))
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes:g} B"
 
 
 COMMANDS += [layout, estimate, plan, validate, calibrate]

@@ -182,6 +182,14 @@ _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
            "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
+def format_bytes(n: float) -> str:
+    """12_000_000 → "11.4 MiB": the reader's unit for a size (binary, as memory is counted)."""
+    for unit, scale, digits in (("GiB", 2**30, 2), ("MiB", 2**20, 1), ("KiB", 2**10, 0)):
+        if n >= scale:
+            return f"{n / scale:,.{digits}f} {unit}"
+    return f"{n:g} B"
+
+
 def parse_quantity(value, key: str = "") -> float:
     """12.5, "80GiB", "450GB", "989T", "1.5e9" → a number (B and /s suffixes are ignored)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
-from bench.analysis.hardware import Hardware, get_hardware
+from bench.analysis.hardware import Hardware, format_bytes, get_hardware
 from bench.analysis.stage_plan import stage_plan
 from bench.config import ConfigError, RunConfig, check_number, structural_reason
 from models.config import get_preset
@@ -280,13 +280,9 @@ def sweep_text(result: Plan, model: str, gpus: int, gpus_per_node: int, hardware
         own = {k: v for k, v in row.items() if k not in shared}
         lines.append(f"  - {_flow(yaml, own)}"
                      f"   # {i}. predicted {full['tokens_per_s']:,.0f} tokens/s, step {full['step_time_s']:.4g} s, "
-                     f"MFU {full['mfu']:.1%}, {_size(full['total_bytes'])} per rank")
+                     f"MFU {full['mfu']:.1%}, {format_bytes(full['total_bytes'])} per rank")
     return "\n".join(lines) + "\n"
 
 
 def _flow(yaml, values: dict) -> str:
     return yaml.safe_dump(values, default_flow_style=True, sort_keys=False, width=10**6).strip()
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from functools import cache
 
-from bench.analysis.hardware import Hardware, get_hardware
+from bench.analysis.hardware import Hardware, format_bytes, get_hardware
 from bench.config import RunConfig
 from bench.results import skipped_row
 from bench.sweep.spec import describe
@@ -81,10 +81,10 @@ def predict(cfg: RunConfig, hw: Hardware | None, ranks_on_host: int) -> Predicti
     out = Prediction(row["pred_total_bytes"])
     if hw is None:
         return out
-    memory, note = hw.memory_bytes, f"one device's {_size(hw.memory_bytes)}"
+    memory, note = hw.memory_bytes, f"one device's {format_bytes(hw.memory_bytes)}"
     if shares_host_memory(hw) and memory:
         host = hw.memory_bytes * hw.gpus_per_node
-        memory, note = host / ranks_on_host, f"{_size(host)} of host memory shared by {ranks_on_host} rank(s)"
+        memory, note = host / ranks_on_host, f"{format_bytes(host)} of host memory shared by {ranks_on_host} rank(s)"
     return Prediction(out.peak_bytes, row["pred_step_time_s"], row["pred_tokens_per_s"], row["pred_hardware"],
                       memory or None, note)
 
@@ -132,8 +132,8 @@ def _too_big(runs: list[RunConfig], preds: dict) -> dict[str, str]:
     for cfg in runs:
         p = preds[cfg.run_id]
         if p.peak_bytes is not None and p.rank_memory and p.peak_bytes > p.rank_memory:
-            out[cfg.run_id] = (f"pruned: predicted peak memory {_size(p.peak_bytes)} per rank exceeds the "
-                               f"{_size(p.rank_memory)} a rank has on {p.hardware} ({p.memory_note}); prune.fit = true")
+            out[cfg.run_id] = (f"pruned: predicted peak memory {format_bytes(p.peak_bytes)} per rank exceeds the "
+                               f"{format_bytes(p.rank_memory)} a rank has on {p.hardware} ({p.memory_note}); prune.fit = true")
     return out
 
 
@@ -162,7 +162,3 @@ def warn(lines: list[str]) -> None:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
