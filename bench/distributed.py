@@ -6,8 +6,10 @@ receives the `ProcessGroups` built here.
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,15 +33,28 @@ def comm_backend(device: torch.device) -> str:
 def env_from_slurm() -> None:
     """In a Slurm task that submitit started (one task per rank), export what torch.distributed's env://
     reads: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (the job's first host) and
-    MASTER_PORT (drawn from the job id, so every task of the job agrees), with submitit's own
+    MASTER_PORT (drawn from the job id, so every task of the job agrees: `job_port`), with submitit's own
     `TorchDistributedEnvironment`. A MASTER_ADDR or MASTER_PORT already set wins; a rank already set
     (our spawner, torchrun) means there is nothing to do."""
     if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or "RANK" in os.environ:
         return
+    from submitit import JobEnvironment
     from submitit.helpers import TorchDistributedEnvironment
     env = TorchDistributedEnvironment()  # reads SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, …
     env.master_addr = os.environ.get("MASTER_ADDR", env.master_addr)
+    env.master_port = int(os.environ.get("MASTER_PORT") or job_port(JobEnvironment().job_id))
     env.export(set_cuda_visible_devices=False, overwrite=True)  # devices: `resolve_device` picks by LOCAL_RANK
+
+
+def job_port(job_id: str) -> int:
+    """A port every task of the job draws alike, below the kernel's ephemeral range. (submitit draws
+    from 20000–60000, mostly inside that range, where any process's outgoing connection may already
+    hold the port: rank 0 then fails to listen, EADDRINUSE, as a CI run saw.)"""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    return random.Random(job_id).randint(20000, max(20000, low - 1))
 
 
 def init_from_env(device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:

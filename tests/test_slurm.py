@@ -159,3 +159,13 @@ def test_task_environment_of_a_two_node_job_comes_from_submitit():
             "print(*(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR')))")
     out = subprocess.run([os.sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["3", "4", "1", "2", "gpu003"], out.stderr
+
+
+def test_the_rendezvous_port_of_a_job_is_shared_and_below_the_ephemeral_range():
+    """Every task of a job draws the same MASTER_PORT, and never from the range the kernel hands out for
+    outgoing connections (a port one of them holds made rank 0 fail with EADDRINUSE)."""
+    from bench.distributed import job_port
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {job_id: job_port(job_id) for job_id in ("41", "41_0", "41_1", "97")}
+    assert all(job_port(job_id) == port for job_id, port in ports.items())
+    assert all(20000 <= port < low for port in ports.values()) and len(set(ports.values())) > 1
