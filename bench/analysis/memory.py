@@ -33,7 +33,7 @@ the logits and the loss's fp32 softmax for the micro-batches in flight there. Ho
 micro-batches each rank holds at its peak is read off the action lists its backend runs
 (`bench.analysis.stage_plan`, `bench.schedule`). With the `suite`
 model and the `autocast` state convention, the fp32 norm inputs and the per-forward bf16 weight
-copies that torch.autocast saves are added (`_autocast_extra_per_layer`, and the head's weight copy).
+copies that torch.autocast saves are added (`_autocast_norm_inputs`, `_autocast_weight_copies`).
 
 The step's peak (`step_peak`, the row's `pred_peak_mem_bytes`, measured as `peak_mem_bytes`) is
 what the step adds to the model state at its largest moment: the held activations plus what is live
@@ -190,13 +190,18 @@ def layer_activation_bytes(m: GPTConfig, b: int, s: int, tp: int = 1, sp: bool =
     return tokens * per_token
 
 
-def _autocast_extra_per_layer(m: GPTConfig, tokens: int, tp: int, sp: bool) -> float:
-    """torch.autocast beyond the 2-byte convention: the two norm inputs (the fp32 residual stream)
-    are saved in fp32 (+2 bytes each per element), and every forward saves its own bf16 copy of
-    the layer's matmul weights for backward (the cast cache lives for one autocast region)."""
+def _autocast_norm_inputs(m: GPTConfig, tokens: int, tp: int, sp: bool) -> float:
+    """torch.autocast beyond the 2-byte convention, per layer and micro-batch: the two norm inputs
+    (the fp32 residual stream) are saved in fp32 (+2 bytes each per element)."""
+    return tokens * 2 * 2 * m.hidden / (tp if sp else 1)
+
+
+def _autocast_weight_copies(m: GPTConfig, tp: int) -> float:
+    """The bf16 copy of one layer's matmul weights that torch.autocast saves for backward. Autocast
+    caches it for one autocast region: every micro-batch's forward makes its own, except in the native
+    engine, which keeps one region for the whole step (`Pipeline._weight_casts_kept`): one per layer."""
     up = 2 * m.ffn_hidden if m.activation == "swiglu" else m.ffn_hidden
-    weights = (m.hidden * (m.qkv_out + m.hidden) + m.hidden * up + m.ffn_hidden * m.hidden) / tp
-    return tokens * 2 * 2 * m.hidden / (tp if sp else 1) + 2 * weights
+    return 2 * (m.hidden * (m.qkv_out + m.hidden) + m.hidden * up + m.ffn_hidden * m.hidden) / tp
 
 
 @lru_cache(maxsize=65536)
@@ -234,13 +239,22 @@ def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationMod
                                        cfg.recompute, prec.act, act)
     # FSDP2 computes in its gathered bf16 parameters (MixedPrecisionPolicy), not under torch.autocast
     autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32" and cfg.backend != "fsdp"
+    weight_copies = 0.0  # native: held once for the step (recomputation too reuses them), not per micro-batch
+    if autocast and cfg.backend == "native":
+        weight_copies = _autocast_weight_copies(m, cfg.tp) * rank.layers
     if autocast and cfg.recompute != "full":
-        per_layer += _autocast_extra_per_layer(m, cfg.micro_batch * cfg.seq, cfg.tp, cfg.sequence_parallel)
+        per_layer += _autocast_norm_inputs(m, cfg.micro_batch * cfg.seq, cfg.tp, cfg.sequence_parallel)
+        if cfg.backend != "native":
+            per_layer += _autocast_weight_copies(m, cfg.tp)
     head = head_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, prec.act,
                                  logits_saved=not act.flash)
     if autocast:  # the head's bf16 weight copy, saved for its backward as the blocks' are
-        head += 2 * head_params_local(m, cfg.tp, cfg.pp)
-    activations = per_layer * rank.layers_in_flight + rank.head_in_flight * head
+        head_copy = 2 * head_params_local(m, cfg.tp, cfg.pp)
+        if cfg.backend == "native":
+            weight_copies += head_copy if rank.head_in_flight else 0.0
+        else:
+            head += head_copy
+    activations = per_layer * rank.layers_in_flight + rank.head_in_flight * head + weight_copies
     state = model_state(plan, stage, prec)
     peak = step_peak(plan, stage, prec, act, activations, head if rank.head_in_flight else 0.0, state)
     out = {**state, "activation_bytes": activations, "activation_bytes_per_layer": per_layer,

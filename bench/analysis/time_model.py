@@ -8,7 +8,11 @@ Per pipeline rank and micro-batch, each chunk's forward and backward cost (per t
     memory      bytes that elementwise and norm kernels read and write / memory bandwidth, and the MLP
                 activation's bytes / its own calibrated rate (compute-bound on a CPU)
     gradients   this suite's engines: each fp32 gradient zeroed once a step and accumulated into by
-                every micro-batch's backward, as memory-bound bytes
+                every micro-batch's backward (native: copied in by the first, added by the others),
+                as memory-bound bytes
+    casts       mixed precision under torch.autocast: every forward casts the layer's fp32 weights to
+                bf16, except in the native engine, which casts them once a step (its cast cache lives
+                for the whole step: `bench.native.pipeline`)
     overhead    ops × per-op dispatch cost (calibrated; 0 on GPU, where launches run ahead of the device)
     recompute   full: the layer's forward again in backward; selective: its attention core
     tp          every tp collective of the micro-batch, on the critical path (no overlap)
@@ -135,11 +139,27 @@ def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
     # attention (causal: the kernel skips the masked half of the score blocks)
     core = (Matmul(s, hd, s // 2, b * heads), Matmul(s, s // 2, hd, b * heads))
     low = dtype_key(cfg.dtype) != "fp32"
-    casts = (2 * x * 6 + sum(mm.k * mm.n for mm in gemms) * 6) if low else 0
+    casts = 2 * x * 6 if low else 0  # the norm outputs (read fp32, write bf16), forward; their gradients back
     ops = SUITE_OPS[dtype_key(cfg.dtype)]
     fwd = Work(gemms + core, 2 * 2 * 4 * x + 2 * 3 * 4 * x + casts, ops[0], act_bytes=2 * e * ffn)
-    bwd = Work(backward_gemms(gemms + core), 2 * 3 * 4 * x + 2 * 2 * 4 * x + casts, ops[1], act_bytes=3 * e * ffn)
+    bwd = Work(backward_gemms(gemms + core), 2 * 3 * 4 * x + 2 * 2 * 4 * x + casts + weight_cast_bytes(cfg),
+               ops[1], act_bytes=3 * e * ffn)  # each bf16 weight gradient cast back to fp32
     return fwd, bwd, Work(core)
+
+
+def weight_cast_bytes(cfg) -> float:
+    """One layer's matmul weights cast between fp32 and bf16 (read 4, write 2 bytes each) on one tp
+    rank: under torch.autocast, the weights forward and their gradients backward."""
+    if dtype_key(cfg.dtype) == "fp32":
+        return 0.0
+    mc, t = cfg.model_config, cfg.tp
+    up = 2 * mc.ffn_hidden if mc.activation == "swiglu" else mc.ffn_hidden
+    return 6 * (mc.hidden * (mc.qkv_out + mc.hidden) + mc.hidden * up + mc.ffn_hidden * mc.hidden) / t
+
+
+def casts_weights_once(cfg, impl: str) -> bool:
+    """The native engine keeps autocast's weight copies for the step; the others cast every forward."""
+    return impl == "suite" and cfg.backend == "native"
 
 
 def head_work(cfg) -> Work:
@@ -226,13 +246,16 @@ _COSTS: dict = {}
 
 def part_costs(cfg, hw: Hardware, impl: str) -> PartCosts:
     """Cached per (profile, shape of the work): the planner asks for the same layers thousands of times."""
+    once = casts_weights_once(cfg, impl)
     key = (id(hw), cfg.model_config, cfg.tp, cfg.micro_batch, cfg.seq, cfg.sequence_parallel, cfg.dtype,
-           cfg.recompute, cfg.world, impl)
+           cfg.recompute, cfg.world, impl, once)
     hit = _COSTS.get(key)
     if hit is not None and hit[0] is hw:  # the profile is held by the entry: its id cannot be reused
         return hit[1]
     dev = Device(hw, cfg)
     fwd, bwd, core = layer_work(cfg, impl)
+    if impl == "suite" and not once:
+        fwd += Work((), weight_cast_bytes(cfg))
     redo = {"none": Work(), "selective": core, "full": fwd}[cfg.recompute]
     embed, head = embed_work(cfg), head_work(cfg)
     costs = PartCosts(dev.compute(fwd), dev.compute(bwd) + dev.compute(redo), fwd.ops + bwd.ops + redo.ops,
@@ -259,17 +282,20 @@ def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_sta
     tp = sum(collective_time(tr, hw, *links["tp"]) * tr.ops for tr in per_mb if tr.dim == "tp")
     pp = sum(collective_time(tr, hw, *links["pp"]) * tr.ops for tr in per_mb if tr.dim == "pp")
     dev = Device(hw, cfg)
-    return StageTime(m * (f + b) + gradient_upkeep(cfg, rank, dev, impl), m * dev.overhead(Work((), 0, ops)),
-                     tp, pp, b, traffic)
+    once = dev.compute(Work((), rank.layers * weight_cast_bytes(cfg))) if casts_weights_once(cfg, impl) else 0.0
+    return StageTime(m * (f + b) + gradient_upkeep(cfg, rank, dev, impl) + once,
+                     m * dev.overhead(Work((), 0, ops)), tp, pp, b, traffic)
 
 
 def gradient_upkeep(cfg, rank, dev: Device, impl: str) -> float:
     """This suite's engines keep each fp32 gradient through autograd: zeroed once a step (4 bytes per
-    parameter) and accumulated into by every micro-batch's backward (read both, write: 12). Megatron-LM
-    (`table2`) fuses the accumulation into the weight-gradient GEMM."""
+    parameter) and accumulated into by every micro-batch's backward (read both, write: 12); the native
+    engine copies the first micro-batch's in (read, write: 8) and adds the others', never zeroing.
+    Megatron-LM (`table2`) fuses the accumulation into the weight-gradient GEMM."""
     if impl != "suite":
         return 0.0
-    return dev.compute(Work((), (4 + 12 * cfg.micro_batches) * rank.params))
+    per_param = 12 * cfg.micro_batches - 4 if cfg.backend == "native" else 4 + 12 * cfg.micro_batches
+    return dev.compute(Work((), per_param * rank.params))
 
 
 def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:

@@ -1,7 +1,8 @@
 """Gradient buckets: one flat fp32 buffer per group of parameters, reduced over dp in one op.
 
-Each parameter's `.grad` is a view into its bucket's buffer, so backward accumulates straight into
-it and the bucket is reduced without copies. With ZeRO-1 the buffer is padded to a multiple of dp
+Each parameter's gradient lands in a view of its bucket's buffer: the first micro-batch's is copied
+there and later ones added (so the buffer is never zeroed: a pass over every gradient saved), and the
+bucket is reduced in place. After the reduction each `.grad` is that view again, for the optimizer. With ZeRO-1 the buffer is padded to a multiple of dp
 (at most dp − 1 zeros) and each dp rank owns one contiguous shard of it:
 
     zero 0: all_reduce(grads (N,))                           payload 4·N bytes
@@ -27,12 +28,13 @@ class Bucket:
         padded = -(-self.numel // dp) * dp if zero else self.numel
         device = params[0].device
         self.grads = torch.zeros(padded, dtype=torch.float32, device=device)
-        self.pending: set[int] = set()
+        self.pending: set[int] = set()  # parameters still to get this step's last gradient
+        self.landed: set[int] = set()  # parameters whose first gradient of this step is in the buffer
         self.work = None
         if zero:
             self._shard_params(dp_rank, padded)
-        for p, view in zip(params, self._views(self.grads)):
-            p.grad = view
+        self.views = dict(zip(map(id, params), self._views(self.grads)))
+        self.expose_grads()
 
     def _views(self, flat: torch.Tensor):
         offset = 0
@@ -51,10 +53,33 @@ class Bucket:
         self.shard = nn.Parameter(self.flat_params[self.span])  # a view: updated in place
         self.shard.grad = self.grads[self.span]  # reduce-scattered into its own slice
 
-    def zero_grad(self) -> None:
-        self.grads.zero_()
+    def start_step(self) -> None:
+        """Backward's first gradient of each parameter is copied into the buffer, so no zeroing."""
+        for p in self.params:
+            p.grad = None
         self.pending = {id(p) for p in self.params}
+        self.landed = set()
         self.work = None
+
+    def take_grad(self, p, first: bool) -> None:
+        """Move the gradient autograd just accumulated into `p.grad` into the bucket (copy on the step's
+        first pass, add on later ones) and free it."""
+        view = self.views[id(p)]
+        view.copy_(p.grad) if first else view.add_(p.grad)
+        p.grad = None
+        self.landed.add(id(p))
+
+    def zero_untouched(self) -> None:
+        """Gradients backward never produced this step (unused parameters) are zero, not last step's."""
+        for p in self.params:
+            if id(p) not in self.landed:
+                self.views[id(p)].zero_()
+
+    def expose_grads(self) -> None:
+        """`.grad` is each parameter's view of the buffer again: what the optimizer and the memory
+        counters read."""
+        for p in self.params:
+            p.grad = self.views[id(p)]
 
     def mark_ready(self, p) -> bool:
         """Record that `p` has its full gradient for this step; True when the whole bucket has."""

@@ -1,10 +1,11 @@
 """Data parallelism: bucketed gradient reduction overlapped with backward, optional ZeRO-1.
 
 Buckets hold parameters in reverse registration order (roughly the order backward produces
-them). A post-accumulate-grad hook counts each parameter's backward passes; after the last
-micro-batch's (`micro_batches` per step, whatever the pipeline schedule) the parameter is ready,
-and a bucket whose parameters are all ready launches its all-reduce (or ZeRO-1 reduce-scatter)
-asynchronously while backward goes on. `finish()` waits for every bucket before the optimizer.
+them). A post-accumulate-grad hook moves each gradient into its bucket and counts the parameter's
+backward passes; after the last micro-batch's (`micro_batches` per step, whatever the pipeline
+schedule) the parameter is ready, and a bucket whose parameters are all ready launches its
+all-reduce (or ZeRO-1 reduce-scatter) asynchronously while backward goes on. `finish()` waits for
+every bucket before the optimizer.
 
 Sequence parallel: replicated parameters that act on sequence-sharded activations (norms, the
 position table, row-parallel biases) get partial gradients on each tp rank. They form one extra
@@ -36,7 +37,7 @@ class DataParallel:
         sp_params = [p for p in params if id(p) in sp_ids]
         self.sp_bucket = make(sp_params) if sp_params else None
         self._bucket_of, self._passes = {}, {}
-        for bucket in self.buckets:
+        for bucket in self.all_buckets:
             for p in bucket.params:
                 self._bucket_of[id(p)] = bucket
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -49,26 +50,31 @@ class DataParallel:
         """ZeRO-1: the flat shards the optimizer updates (one per bucket)."""
         return [b.shard for b in self.all_buckets]
 
-    def zero_grad(self) -> None:
+    def start_step(self) -> None:
         for bucket in self.all_buckets:
-            bucket.zero_grad()
+            bucket.start_step()
         self._passes = {key: 0 for key in self._bucket_of}
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self._passes[id(p)] += 1
-        if self._passes[id(p)] == self.micro_batches:
-            bucket = self._bucket_of[id(p)]
+        bucket = self._bucket_of[id(p)]
+        bucket.take_grad(p, first=self._passes[id(p)] == 1)
+        if self._passes[id(p)] == self.micro_batches and bucket is not self.sp_bucket:
             if bucket.mark_ready(p):
                 bucket.launch()  # overlaps with the rest of backward
 
     def finish(self) -> None:
         """Wait for every bucket (launching any that never filled); SP grads summed over tp first."""
+        for bucket in self.all_buckets:
+            bucket.zero_untouched()
         for bucket in self.buckets:
             bucket.wait()
         if self.sp_bucket is not None:
             comm.all_reduce(self.sp_bucket.grads[:self.sp_bucket.numel], self.tp_group)  # (N_sp,) over tp
             self.sp_bucket.launch()
             self.sp_bucket.wait()
+        for bucket in self.all_buckets:
+            bucket.expose_grads()
 
     def after_step(self) -> None:
         for bucket in self.all_buckets:

@@ -61,7 +61,7 @@ class NativeTrainer(Trainer):
         self.scaler = loss_scaler(ctx, ranks_differ=cfg.tp > 1 or cfg.pp > 1 or cfg.zero > 0)
 
     def train(self, batch: Batch) -> torch.Tensor | None:
-        self.par.data.zero_grad()
+        self.par.data.start_step()
         if self.scaler:
             self.par.pipeline.loss_scale = self.scaler.scale  # this step's (backed off or grown by the last)
         losses = self.par.pipeline.run(batch)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -142,7 +142,7 @@ class Pipeline:
         """One step over `batches` (on the device); the last stage's micro-batch losses, each already
         divided by the micro-batch count, as device tensors (never read here: no host sync)."""
         saved, losses, posted = {}, [], {}
-        with self.meter.step():
+        with self.meter.step(), self._weight_casts_kept():
             for i, (kind, chunk, mb) in enumerate(self.order):
                 for j in (i, i + 1) if self.post_ahead else (i,):  # the next one's: in flight during compute
                     if j < len(self.order) and j not in posted:
@@ -154,6 +154,13 @@ class Pipeline:
                     self._backward(chunk, saved.pop((chunk, mb)), received)
             self.comm.wait_sends()
         return losses
+
+    def _weight_casts_kept(self):
+        """Mixed precision: keep torch.autocast's low-precision weight copies for the whole step, as
+        Megatron and DeepSpeed keep bf16 weights, instead of casting every weight again in every
+        micro-batch's forward. Autocast drops its cast cache only on leaving its outermost region, so
+        an enclosing (disabled) region keeps it; the weights do not change until the optimizer step."""
+        return torch.autocast(self.device.type, enabled=False) if self.autocast_dtype else nullcontext()
 
     def _post_recv(self, kind: str, chunk: int, mb: int):
         """Post the receive `action` needs (None if it needs none). Both sides post in schedule order,
