@@ -8,12 +8,13 @@ groups of 2..world ranks (each group its own default group: ranks beyond it sit 
 
     matmul            FLOP/s by dtype over square shapes, operands read cold (the efficiency curve)
     memory_bw         bytes/s of elementwise and norm kernels (add, layer norm; the median)
-    activation_bw     bytes/s of each MLP activation (tanh GELU, SwiGLU)
+    activation_bw     bytes/s of each MLP activation (tanh GELU, SwiGLU) and of the loss (cross-entropy)
     composition       a fixed transformer block's forward + backward, measured / modelled from the above
     op_overhead_s     one aten op of forward + backward through tiny modules (module call, dispatch, autograd)
     optimizer         one AdamW step with gradient clipping, per parameter and per tensor
     collectives       seconds per op over message sizes, per op and group size, every group busy at once
     oversubscription  k ranks' reference-block time / one rank's
+    memory_contention k ranks' time of a memory-bound kernel (operands beyond the caches) / one rank's
 
 The profile is written to a temporary file and renamed into place: an interrupted calibration
 leaves the previous profile (or none), never half of one.
@@ -113,7 +114,10 @@ def matmul_curve(sizes, window_s: float) -> dict:
 def memory_bandwidth(window_s: float, n: int = 1 << 20) -> dict:
     """Bytes read + written per second: `memory_bw` by plain elementwise and norm kernels (add, layer
     norm; the median), `activation_bw` by each MLP activation the model has (tanh GELU, SwiGLU's
-    SiLU × up), which on a CPU are compute-bound at a fraction of that."""
+    SiLU × up) and by the cross-entropy's forward + backward over fp32 logits (its softmax's exps and
+    its fresh buffers: bytes as the time model counts them), which on a CPU are compute-bound at a
+    fraction of that."""
+    from bench.analysis.time_model import LOSS_BYTES_PER_LOGIT
     import torch
     import torch.nn.functional as F
     dev = _device()
@@ -123,6 +127,10 @@ def memory_bandwidth(window_s: float, n: int = 1 << 20) -> dict:
              8 * n / per_call(lambda: F.layer_norm(x, (256,)), dev, window_s)]
     activation = {"gelu": 8 * n / per_call(lambda: F.gelu(a, approximate="tanh"), dev, window_s),
                   "swiglu": 12 * n / per_call(lambda: F.silu(a) * b, dev, window_s)}
+    logits = torch.randn(n // 4096, 4096, device=dev, requires_grad=True)  # a vocab of 4096
+    targets = torch.randint(0, 4096, (n // 4096,), device=dev)
+    loss_s = per_call(lambda: F.cross_entropy(logits, targets).backward(), dev, window_s)
+    activation["cross_entropy"] = 2 * LOSS_BYTES_PER_LOGIT * n / loss_s
     return {"memory_bw": statistics.median(plain), "activation_bw": activation}
 
 
@@ -220,6 +228,27 @@ def composition(cal: Calibration) -> float:
     return max(1.0, (cal.block_s - overhead) / modelled)
 
 
+def memory_loop(k: int, window_s: float, n: int = 1 << 23) -> float | None:
+    """Ranks < k: seconds of an add over 3 × 32 MiB (beyond the caches) while k ranks run it at once:
+    what the memory-bound kernels and the optimizer of a step meet when the ranks share one memory."""
+    if int(os.environ["RANK"]) >= k:
+        return None
+    import torch
+    dev = _device()
+    a, b, c = (torch.randn(n, device=dev) for _ in range(3))
+    return per_call(lambda: torch.add(a, b, out=c), dev, window_s)
+
+
+def slowdowns(pool, world: int, loop, window_s: float) -> dict:
+    """k → `loop`'s median seconds on k ranks at once / on one, for k = 1..world."""
+    out, base = {}, None
+    for k in range(1, world + 1):
+        t = statistics.median(v for v in pool.call(loop, k, window_s) if v is not None)
+        base = base or t
+        out[k] = max(1.0, t / base)
+    return out
+
+
 def block_loop(k: int, window_s: float) -> float | None:
     """Ranks < k: seconds of REFERENCE_BLOCK's forward + backward while k ranks run it at once (a
     step's mix of GEMMs and memory-bound kernels: they share caches and memory bandwidth too)."""
@@ -253,7 +282,7 @@ def measure_collectives(group: int, sizes: tuple, window_s: float) -> dict | Non
                    "all_gather": lambda: dist.all_gather_into_tensor(full, part, group=mine),
                    "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=mine),
                    "send": lambda: _ping(full, peer, rank) if peer < world else None}
-            reps = 30 if nbytes < 1 << 16 else 8
+            reps = 60 if nbytes < 1 << 16 else 24  # a mid-size op varies 2× between batches of 8 on a CPU
             for op, fn in ops.items():
                 dist.barrier()
                 if mine is not None:
@@ -326,19 +355,16 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
     from bench.spawn import RankPool
     sizes = plan_sizes(quick, _cuda_available())
     groups = sorted({g for g in (2, 4, 8, world) if 2 <= g <= world})
-    steps = 1 + world + len(groups)
+    steps = 3 + len(groups)
     tick = progress or (lambda what: None)
     with RankPool(world) as pool:
         tick(f"starting {world} ranks")
         compute = pool.call(measure_compute, sizes)[0]
         tick("matmul, memory, ops, optimizer")
-        base = None
-        slow = {}
-        for k in range(1, world + 1):
-            t = statistics.median(v for v in pool.call(block_loop, k, sizes["window_s"]) if v is not None)
-            base = base or t
-            slow[k] = max(1.0, t / base)
-            tick(f"{k} rank(s) computing at once")
+        slow = slowdowns(pool, world, block_loop, sizes["window_s"])
+        tick(f"1..{world} ranks computing at once")
+        contention = slowdowns(pool, world, memory_loop, sizes["window_s"])
+        tick(f"1..{world} ranks sharing the memory")
         colls = {op: {} for op in OPS}
         for g in groups:
             got = pool.call(measure_collectives, g, sizes["comm_bytes"], sizes["window_s"])
@@ -348,7 +374,8 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
             tick(f"collectives in groups of {g}")
     info = machine()
     info.update(quick=quick, world=world, steps=steps)
-    cal = Calibration(machine=info, collectives=colls, oversubscription=slow, composition=1.0, **compute)
+    cal = Calibration(machine=info, collectives=colls, oversubscription=slow, memory_contention=contention,
+                      composition=1.0, **compute)
     return profile_from(replace(cal, composition=composition(cal)), name)
 
 

@@ -138,6 +138,8 @@ def test_calibrate_writes_a_profile_found_by_name(calibrated, monkeypatch):
     assert curve[1][1] <= cal.collective_seconds("all_reduce", 2, mid) <= curve[2][1]
     assert cal.memory_bw > 0 and cal.op_overhead_s > 0 and cal.optimizer_s_per_param > 0
     assert cal.matmul_rate("fp32", 2 * 512**3) > cal.matmul_rate("fp32", 2 * 32**3)  # a curve, not one peak
+    assert set(cal.activation_bw) == {"gelu", "swiglu", "cross_entropy"} and min(cal.activation_bw.values()) > 0
+    assert set(cal.memory_contention) == {1, 2} and cal.memory_contention[1] == 1.0 <= cal.memory_contention[2]
     monkeypatch.setenv("PARABENCH_PROFILES", str(calibrated))
     assert get_hardware("cpu").calibration is not None
     row = predict_row(RunConfig(model="small", dp=2), "cpu")

@@ -282,7 +282,8 @@ def calibrate(world, out, name, quick):
         click.echo(f"  {op:<15}" + "  ".join(f"n={n}: " + ", ".join(f"{format_bytes(b)} {t * 1e3:.2f} ms" for b, t in points)
                                               for n, points in sorted(table.items())))
     click.echo("  ranks sharing the machine slow compute ×" +
-               ", ".join(f"{f:.2f} ({k})" for k, f in sorted(cal.oversubscription.items())))
+               ", ".join(f"{f:.2f} ({k})" for k, f in sorted(cal.oversubscription.items())) +
+               "; memory-bound work ×" + ", ".join(f"{f:.2f} ({k})" for k, f in sorted(cal.memory_contention.items())))
 
 
 COMMANDS += [layout, estimate, plan, validate, calibrate]

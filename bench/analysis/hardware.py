@@ -284,7 +284,8 @@ class Calibration:
     memory_bw: float
     """Bytes read + written per second by elementwise and norm kernels."""
     activation_bw: dict
-    """MLP activation ("gelu": tanh GELU, "swiglu": SiLU × up) → bytes read + written per second."""
+    """MLP activation ("gelu": tanh GELU, "swiglu": SiLU × up) and the loss ("cross_entropy": forward +
+    backward over the logits) → bytes read + written per second (the time model's byte counts)."""
     op_overhead_s: float
     """Seconds one small op costs in forward + autograd (dispatch, allocation), beyond its work."""
     optimizer_s_per_param: float
@@ -297,6 +298,9 @@ class Calibration:
     largest segment's rate: a mid-size message is not as fast as a line through the extremes says."""
     oversubscription: dict
     """ranks → slowdown of compute when that many ranks share the machine (1 when each has a core)."""
+    memory_contention: dict
+    """ranks → slowdown of memory-bound kernels (operands beyond the caches) when that many ranks run
+    them at once: ranks on one CPU share its memory bandwidth (GPUs each have their own: ~1)."""
     block_s: float
     """Seconds of a fixed transformer block's forward + backward (bench.calibrate.REFERENCE_BLOCK)."""
     composition: float
@@ -337,14 +341,24 @@ class Calibration:
         return t1 + (payload - b1) * (t1 - t0) / (b1 - b0)
 
     def slowdown(self, ranks: int) -> float:
-        table = {int(k): float(v) for k, v in self.oversubscription.items()}
-        if not table or ranks <= min(table):
-            return 1.0 if not table else table[min(table)]
-        below = max(k for k in table if k <= ranks)
-        return table[below] * ranks / below  # past the measured counts: ranks share the cores evenly
+        """Compute of `ranks` ranks at once / one rank's."""
+        return _per_ranks(self.oversubscription, ranks)
+
+    def memory_slowdown(self, ranks: int) -> float:
+        """Memory-bound work of `ranks` ranks at once / one rank's."""
+        return _per_ranks(self.memory_contention, ranks)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _per_ranks(measured: dict, ranks: int) -> float:
+    """A slowdown measured at 1..k ranks, read at `ranks`."""
+    table = {int(k): float(v) for k, v in measured.items()}
+    if not table or ranks <= min(table):
+        return 1.0 if not table else table[min(table)]
+    below = max(k for k in table if k <= ranks)
+    return table[below] * ranks / below  # past the measured counts: ranks share the cores evenly
 
 
 _CAL_FIGURES = ("memory_bw", "op_overhead_s", "optimizer_s_per_param", "optimizer_s_per_tensor", "block_s",
@@ -383,7 +397,8 @@ def calibration_from_dict(data: dict, where: str) -> Calibration:
     out = dict(data, matmul={k: sorted(map(tuple, v)) for k, v in data["matmul"].items()},
                collectives={op: {int(n): sorted(map(tuple, p)) for n, p in t.items()}
                             for op, t in data["collectives"].items()},
-               oversubscription={int(k): float(v) for k, v in data["oversubscription"].items()})
+               oversubscription={int(k): float(v) for k, v in data["oversubscription"].items()},
+               memory_contention={int(k): float(v) for k, v in data["memory_contention"].items()})
     return Calibration(**out)
 
 

@@ -18,8 +18,9 @@ Per pipeline rank and micro-batch, each chunk's forward and backward cost (per t
     tp          every tp collective of the micro-batch, on the critical path (no overlap)
     pp          one send per chunk boundary crossed, forward and backward, on the critical path
 Backward costs twice the forward's matmuls and memory traffic (gradients of inputs and of weights).
-Ranks that outnumber the cores slow compute by the calibrated oversubscription factor, and a
-calibrated profile's composition factor (a reference block measured / modelled) scales compute.
+Ranks that outnumber the cores slow compute by the calibrated oversubscription factor, ranks that
+share one memory slow memory-bound work (and the optimizer) by the calibrated memory contention, and
+a calibrated profile's composition factor (a reference block measured / modelled) scales compute.
 
 Per step (the busiest pipeline rank sets the pace):
     busy        m × Σ its chunks' (forward + backward + tp + pp)
@@ -96,16 +97,18 @@ def matmul_time(mm: Matmul, hw: Hardware, dtype: str, elem: int) -> float:
 @dataclass(frozen=True)
 class Work:
     """One pass of some part of the model on one tp rank: GEMMs, memory-bound bytes, ops, and the bytes
-    the MLP activation reads and writes (compute-bound on a CPU: its own calibrated rate)."""
+    the MLP activation and the loss's softmax read and write (exp/tanh-bound on a CPU: each at its own
+    calibrated rate)."""
 
     matmuls: tuple[Matmul, ...] = ()
     bytes: float = 0.0
     ops: int = 0
     act_bytes: float = 0.0
+    loss_bytes: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(self.matmuls + other.matmuls, self.bytes + other.bytes, self.ops + other.ops,
-                    self.act_bytes + other.act_bytes)
+                    self.act_bytes + other.act_bytes, self.loss_bytes + other.loss_bytes)
 
 
 def backward_gemms(mms) -> tuple[Matmul, ...]:
@@ -162,11 +165,16 @@ def casts_weights_once(cfg, impl: str) -> bool:
     return impl == "suite" and cfg.backend == "native"
 
 
+LOSS_BYTES_PER_LOGIT = 3 * 4
+"""The cross-entropy's forward, and again its backward, reads and writes the fp32 logits ~3 times."""
+
+
 def head_work(cfg) -> Work:
-    """The last chunk's head GEMM and cross-entropy (fp32 logits read and written ~3 times)."""
+    """The last chunk's head GEMM and cross-entropy (forward; the backward moves the same loss bytes)."""
     mc = cfg.model_config
     bs = cfg.micro_batch * cfg.seq
-    return Work((Matmul(bs, mc.hidden, mc.vocab // cfg.tp),), 3 * 4 * bs * mc.vocab / cfg.tp, 6)
+    return Work((Matmul(bs, mc.hidden, mc.vocab // cfg.tp),), 0.0, 6,
+                loss_bytes=LOSS_BYTES_PER_LOGIT * bs * mc.vocab / cfg.tp)
 
 
 def embed_work(cfg) -> Work:
@@ -181,17 +189,22 @@ class Device:
         self.hw, self.cfg = hw, cfg
         cal = hw.calibration
         self.slow = cal.slowdown(cfg.world) if cal else 1.0
+        self.mem_slow = cal.memory_slowdown(cfg.world) if cal else 1.0  # the ranks share one memory
         self.composed = cal.composition if cal else 1.0  # kernels in a step vs alone (bench calibrate)
         self.bw = (cal.memory_bw if cal else hw.memory_bw) or 0.0
         activation = "swiglu" if cfg.model_config.activation == "swiglu" else "gelu"
         self.act_bw = cal.activation_bw.get(activation, self.bw) if cal else self.bw
+        self.loss_bw = cal.activation_bw.get("cross_entropy", self.bw) if cal else self.bw
         self.op_s = cal.op_overhead_s if cal else 0.0
         self.elem = precision(cfg.dtype).act
 
     def compute(self, w: Work) -> float:
         mm = sum(matmul_time(m, self.hw, self.cfg.dtype, self.elem) for m in w.matmuls)
-        mem = (w.bytes / self.bw + w.act_bytes / self.act_bw) if self.bw else 0.0
-        return (mm + mem) * self.slow * self.composed
+        if not self.bw:
+            return mm * self.slow * self.composed
+        bound = w.bytes / self.bw * self.mem_slow  # memory-bound: slowed by the ranks sharing the memory
+        exps = w.act_bytes / self.act_bw + w.loss_bytes / self.loss_bw  # compute-bound, like the matmuls
+        return ((mm + exps) * self.slow + bound) * self.composed
 
     def overhead(self, w: Work) -> float:
         return w.ops * self.op_s * self.slow
@@ -260,7 +273,7 @@ def part_costs(cfg, hw: Hardware, impl: str) -> PartCosts:
     embed, head = embed_work(cfg), head_work(cfg)
     costs = PartCosts(dev.compute(fwd), dev.compute(bwd) + dev.compute(redo), fwd.ops + bwd.ops + redo.ops,
                       dev.compute(embed), 2 * dev.compute(embed), dev.compute(head),
-                      dev.compute(Work(backward_gemms(head.matmuls), head.bytes)), 3 * head.ops)
+                      dev.compute(Work(backward_gemms(head.matmuls), loss_bytes=head.loss_bytes)), 3 * head.ops)
     if len(_COSTS) > 65536:
         _COSTS.clear()
     _COSTS[key] = (hw, costs)
@@ -370,7 +383,8 @@ def optimizer_time(plan, stage: int, hw: Hardware) -> float:
     cal = hw.calibration
     if cal is not None:
         per_tensor = optimizer_tensors(plan, stage) * cal.optimizer_s_per_tensor
-        return (n * cal.optimizer_s_per_param + per_tensor) * cal.slowdown(plan.cfg.world)
+        world = plan.cfg.world  # Adam streams its state: memory-bound, its tensors' host cost is compute
+        return n * cal.optimizer_s_per_param * cal.memory_slowdown(world) + per_tensor * cal.slowdown(world)
     return n * ADAM_BYTES_PER_PARAM / hw.memory_bw if hw.memory_bw else 0.0
 
 
