@@ -1,6 +1,7 @@
 """The import graph: no cycle among the modules of bench/ and models/ (lazy imports count), and the
 pure maths imports and runs without torch (a meta-path finder refuses it in a fresh interpreter)."""
 import ast
+import os
 import subprocess
 import sys
 import textwrap
@@ -103,7 +104,9 @@ def _pure_modules() -> list[str]:
 
 def _run_without_torch(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", NO_TORCH + textwrap.dedent(code)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
+                                                       # no calibrated profiles: reading one needs the YAML schema
+                                                       "PARABENCH_PROFILES": os.devnull})
 
 
 def test_pure_maths_imports_without_torch():
