@@ -217,3 +217,28 @@ def test_worker_row_has_native_extras_and_reference_loss(pools):
     assert 0 < two["bubble_fraction"] < 1
     expected = expected_comm(RunConfig(pp=2, micro_batches=2, schedule="gpipe"))
     assert two["comm_bytes_pp"] == expected["comm_bytes_pp"] and two["comm_ops_pp"] == expected["comm_ops_pp"]
+
+
+
+def test_bucket_copies_the_first_gradient_adds_the_rest_and_zeroes_unused_ones():
+    """No zeroing pass: the step's first gradient is copied in, later ones added; a parameter backward
+    never reached this step reads zero, not the previous step's gradient."""
+    import torch
+    import torch.nn as nn
+
+    from bench.native.bucket import Bucket
+    used, unused = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    bucket = Bucket([used, unused], None, dp=1, dp_rank=0, zero=0)
+    bucket.grads.fill_(7.0)  # the previous step's gradients
+    bucket.start_step()
+    passes = []
+
+    def on_grad(p):  # as DataParallel._on_grad
+        passes.append(p)
+        bucket.take_grad(p, first=len(passes) == 1)
+    used.register_post_accumulate_grad_hook(on_grad)
+    (2 * used).sum().backward()  # micro-batch 1: copied in
+    (3 * used).sum().backward()  # micro-batch 2: added
+    bucket.zero_untouched()
+    bucket.expose_grads()
+    assert used.grad.tolist() == [5.0, 5.0, 5.0] and unused.grad.tolist() == [0.0, 0.0]

@@ -2,8 +2,9 @@
 
 Each parameter's gradient lands in a view of its bucket's buffer: the first micro-batch's is copied
 there and later ones added (so the buffer is never zeroed: a pass over every gradient saved), and the
-bucket is reduced in place. After the reduction each `.grad` is that view again, for the optimizer. With ZeRO-1 the buffer is padded to a multiple of dp
-(at most dp − 1 zeros) and each dp rank owns one contiguous shard of it:
+bucket is reduced in place. After the reduction each `.grad` is that view again, for the optimizer.
+With ZeRO-1 the buffer is padded to a multiple of dp (at most dp − 1 zeros) and each dp rank owns
+one contiguous shard of it:
 
     zero 0: all_reduce(grads (N,))                           payload 4·N bytes
     zero 1: reduce_scatter(grads (N_pad,)) → shard (N_pad/dp,); optimizer updates the shard;
