@@ -23,12 +23,7 @@ from typing import Callable
 from bench.config import RunConfig
 from bench.results import classify_error, failure_row
 
-# glibc returns freed memory to the kernel (heap trimming, and mmap for blocks over its threshold), so a
-# CPU step page-faults afresh what the previous step freed: ~5 % of a `small` step here, varying with the
-# machine's load. Raising both thresholds keeps freed memory for reuse, as CUDA's caching allocator
-# does, so a CPU step costs its compute and communication. Read by malloc at process start.
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "2000000000", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
-_RANK_ENV = {**ALLOCATOR_ENV, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu"}
+_RANK_ENV = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu"}
 
 
 def free_port() -> int:

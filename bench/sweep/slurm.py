@@ -166,15 +166,13 @@ class SlurmLauncher(Launcher):
     def _executor(self, cfg: RunConfig, count: int):
         import submitit
 
-        from bench.spawn import ALLOCATOR_ENV  # read by malloc at process start: export before the tasks
-
         p = self.profile
         nodes, per_node = p.shape(cfg)
         ex = submitit.AutoExecutor(folder=self.out / "slurm" / "%j", cluster="slurm")
         params = dict(name=f"bench-{self.sweep}", nodes=nodes, tasks_per_node=per_node,
                       cpus_per_task=p.cpus_per_task, timeout_min=p.time_limit(cfg),
                       slurm_array_parallelism=min(p.max_parallel, count),
-                      slurm_setup=[*(f"export {k}={v}" for k, v in {**ALLOCATOR_ENV, **p.env}.items()), *p.setup],
+                      slurm_setup=[*(f"export {k}={v}" for k, v in p.env.items()), *p.setup],
                       slurm_srun_args=list(p.srun_args), slurm_signal_delay_s=p.signal_delay_s,
                       slurm_additional_parameters=dict(p.slurm_additional_parameters))
         if p.gpus_per_node:
