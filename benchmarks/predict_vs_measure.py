@@ -3,10 +3,11 @@ one run.
 
 The default set is issue 11's world-≤ 2 set on the `small` model: native dp 2, tp 2, pp 2 (1F1B, m 4),
 ddp dp 2, fsdp full dp 2, deepspeed ZeRO-1 and ZeRO-3 dp 2. Each config runs on a RankPool of its world
-size (one thread per rank, as `bench run`); the prediction uses the calibrated `cpu` profile when
-`bench calibrate` has written one (else the built-in), exactly as the result row's pred_* columns.
-Beside the time table it prints the measured step peak memory (peak_mem_bytes: on CPU the RSS high-water
-mark above the RSS before the timed steps; memory does not depend on the machine's load, so two steps do)
+size (one thread per rank, as `bench run`), in interleaved rounds (--repeats, 3: one step time drifts
+5-10 % between runs here), and each config's median round is compared; the prediction uses the
+calibrated `cpu` profile when `bench calibrate` has written one (else the built-in), exactly as the
+result row's pred_* columns. Beside the time table it prints the measured step peak memory
+(peak_mem_bytes: live tensor bytes a step adds, torch.profiler's allocation records on CPU)
 against the predicted one (pred_peak_mem_bytes: what is live at the step's largest moment,
 bench.analysis.memory.step_peak), per config and per rank.
 
@@ -53,23 +54,36 @@ def describe(cfg: RunConfig) -> str:
     return f"{cfg.backend}{extra} tp{cfg.tp} pp{cfg.pp} dp{cfg.dp} m{cfg.micro_batches}{recompute}"
 
 
-def measure(cfgs: list[RunConfig]) -> list[dict]:
-    rows, pools = [], {}
+def measure(cfgs: list[RunConfig], repeats: int) -> list[list[dict]]:
+    """Every config `repeats` times, interleaved (round k of every config before round k+1 of any: drift
+    on a shared machine hits every config alike); per config its rows, one per round."""
+    rows, pools = [[] for _ in cfgs], {}
     try:
-        for cfg in cfgs:
-            pool = pools.setdefault(cfg.world, RankPool(cfg.world))
-            rows.append(pool.run(cfg))
+        for k in range(repeats):
+            for i, cfg in enumerate(cfgs):
+                pool = pools.setdefault(cfg.world, RankPool(cfg.world))
+                rows[i].append(pool.run(RunConfig.from_dict({**cfg.to_dict(), "repeat": k})))
     finally:
         for pool in pools.values():
             pool.close()
     return rows
 
 
+def median_row(rows: list[dict]) -> dict:
+    """The round with the median step time (its own prediction and memory come with it), the spread of
+    the rounds beside it; a failed round if none finished."""
+    ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r["step_time_s"])
+    if not ok:
+        return rows[0]
+    times = [r["step_time_s"] for r in ok]
+    return {**ok[(len(ok) - 1) // 2], "spread": f"[{times[0] * 1e3:.0f}–{times[-1] * 1e3:.0f}]"}
+
+
 TERMS = ("compute", "overhead", "comm_exposed_tp", "comm_exposed_pp", "comm_exposed_dp", "bubble", "optimizer")
 
 
 def print_table(cfgs, rows) -> list[float]:
-    print(f"{'config':<44}{'measured ms':>12}{'predicted':>10}{'error':>8}   terms (ms): "
+    print(f"{'config':<44}{'measured ms':>12}{'[min–max]':>12}{'predicted':>10}{'error':>8}   terms (ms): "
           + " ".join(t.replace("comm_exposed_", "") for t in TERMS))
     errors = []
     for cfg, row in zip(cfgs, rows):
@@ -83,7 +97,8 @@ def print_table(cfgs, rows) -> list[float]:
         err = pred / row["step_time_s"] - 1
         errors.append(err)
         terms = " ".join(f"{row[f'pred_{t}_s'] * 1e3:.1f}" for t in TERMS)
-        print(f"{describe(cfg):<44}{row['step_time_s'] * 1e3:>12.1f}{pred * 1e3:>10.1f}{err:>+8.1%}   {terms}")
+        print(f"{describe(cfg):<44}{row['step_time_s'] * 1e3:>12.1f}{row['spread']:>12}{pred * 1e3:>10.1f}"
+              f"{err:>+8.1%}   {terms}")
     print_spread("|error|", errors, f" (profile: {rows[0].get('pred_hardware')})")
     return errors
 
@@ -117,6 +132,8 @@ def main() -> None:
     ap.add_argument("--set", choices=sorted(SETS), default="world2")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved rounds; each config's median round is compared (one step time drifts 5-10 %%)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16-mixed"])
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                     help="run the set with this activation recomputation (configs whose backend lacks it are skipped)")
@@ -128,13 +145,14 @@ def main() -> None:
     cfgs = configs(args.set, args.steps, args.warmup, args.dtype, args.recompute)
     if args.calibrate:
         calibrate_now(max(c.world for c in cfgs))
-    rows = measure(cfgs)
+    rounds = measure(cfgs, args.repeats)
+    rows = [median_row(r) for r in rounds]
     print_table(cfgs, rows)
     print_memory_table(cfgs, rows)
     if args.out:
         from bench.sweep.store import ResultStore
         store = ResultStore(args.out)
-        for row in rows:
+        for row in (row for config_rounds in rounds for row in config_rounds):
             store.write(row)
 
 
