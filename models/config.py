@@ -141,12 +141,16 @@ def get_preset(name: str) -> GPTConfig:
 
 def block_params(cfg: GPTConfig) -> int:
     """Parameters of one transformer block."""
-    h, f, b, qkv = cfg.hidden, cfg.ffn_hidden, cfg.bias, cfg.qkv_out
-    attn = h * qkv + (qkv if b else 0) + h * h + (h if b else 0)
+    up = 2 * cfg.ffn_hidden if cfg.activation == "swiglu" else cfg.ffn_hidden
+    biases = (cfg.qkv_out + cfg.hidden + up + cfg.hidden) if cfg.bias else 0
+    return block_matmul_weights(cfg) + biases + 2 * _norm_params(cfg)
+
+
+def block_matmul_weights(cfg: GPTConfig) -> int:
+    """Elements of one block's four matmul weights: qkv, attention output, fc1 (with SwiGLU's gate), fc2."""
+    h, f = cfg.hidden, cfg.ffn_hidden
     up = 2 * f if cfg.activation == "swiglu" else f
-    mlp = h * up + (up if b else 0) + f * h + (h if b else 0)
-    norms = 2 * _norm_params(cfg)
-    return attn + mlp + norms
+    return h * cfg.qkv_out + h * h + h * up + f * h
 
 
 def _norm_params(cfg: GPTConfig) -> int:

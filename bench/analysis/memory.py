@@ -53,7 +53,7 @@ from bench.analysis.params import (
     zero3_prefetch_gathers,
     zero12_padded,
 )
-from models.config import GPTConfig, block_params, embedding_params
+from models.config import GPTConfig, block_matmul_weights, block_params, embedding_params
 
 MIXED_STATES = ("zero", "autocast", "megatron")
 """How mixed precision keeps its model state: see the module docstring."""
@@ -200,8 +200,7 @@ def _autocast_weight_copies(m: GPTConfig, tp: int) -> float:
     """The bf16 copy of one layer's matmul weights that torch.autocast saves for backward. Autocast
     caches it for one autocast region: every micro-batch's forward makes its own, except in the native
     engine, which keeps one region for the whole step (`Pipeline._weight_casts_kept`): one per layer."""
-    up = 2 * m.ffn_hidden if m.activation == "swiglu" else m.ffn_hidden
-    return 2 * (m.hidden * (m.qkv_out + m.hidden) + m.hidden * up + m.ffn_hidden * m.hidden) / tp
+    return 2 * block_matmul_weights(m) / tp
 
 
 @lru_cache(maxsize=65536)

@@ -47,6 +47,7 @@ from math import ceil
 from bench.analysis.comm import Traffic, stage_traffic, wire_bytes
 from bench.analysis.hardware import Hardware, dtype_key
 from bench.analysis.memory import precision
+from models.config import block_matmul_weights
 
 TERMS = ("compute_s", "overhead_s", "comm_exposed_tp_s", "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s",
          "optimizer_s")
@@ -155,9 +156,7 @@ def weight_cast_bytes(cfg) -> float:
     rank: under torch.autocast, the weights forward and their gradients backward."""
     if dtype_key(cfg.dtype) == "fp32":
         return 0.0
-    mc, t = cfg.model_config, cfg.tp
-    up = 2 * mc.ffn_hidden if mc.activation == "swiglu" else mc.ffn_hidden
-    return 6 * (mc.hidden * (mc.qkv_out + mc.hidden) + mc.hidden * up + mc.ffn_hidden * mc.hidden) / t
+    return 6 * block_matmul_weights(cfg.model_config) / cfg.tp
 
 
 def casts_weights_once(cfg, impl: str) -> bool:
