@@ -228,33 +228,29 @@ def composition(cal: Calibration) -> float:
     return max(1.0, (cal.block_s - overhead) / modelled)
 
 
-def memory_loop(k: int, window_s: float, n: int = 1 << 23) -> float | None:
-    """Ranks < k: seconds of an add over 3 × 32 MiB (beyond the caches) while k ranks run it at once:
-    what the memory-bound kernels and the optimizer of a step meet when the ranks share one memory."""
-    if int(os.environ["RANK"]) >= k:
-        return None
+def memory_seconds(window_s: float, n: int = 1 << 23) -> float:
+    """Seconds of an add over 3 × 32 MiB (beyond the caches): what the memory-bound kernels and the
+    optimizer of a step meet, alone or with other ranks sharing the memory."""
     import torch
     dev = _device()
     a, b, c = (torch.randn(n, device=dev) for _ in range(3))
     return per_call(lambda: torch.add(a, b, out=c), dev, window_s)
 
 
-def slowdowns(pool, world: int, loop, window_s: float) -> dict:
-    """k → `loop`'s median seconds on k ranks at once / on one, for k = 1..world."""
+def slowdowns(pool, world: int, seconds, window_s: float) -> dict:
+    """k → the median of `seconds(window_s)` on k ranks at once / on one, for k = 1..world
+    (REFERENCE_BLOCK: compute, which shares caches and cores; memory_seconds: the memory)."""
     out, base = {}, None
     for k in range(1, world + 1):
-        t = statistics.median(v for v in pool.call(loop, k, window_s) if v is not None)
+        t = statistics.median(v for v in pool.call(_on_first, k, seconds, window_s) if v is not None)
         base = base or t
         out[k] = max(1.0, t / base)
     return out
 
 
-def block_loop(k: int, window_s: float) -> float | None:
-    """Ranks < k: seconds of REFERENCE_BLOCK's forward + backward while k ranks run it at once (a
-    step's mix of GEMMs and memory-bound kernels: they share caches and memory bandwidth too)."""
-    if int(os.environ["RANK"]) >= k:
-        return None
-    return block_seconds(window_s)
+def _on_first(k: int, seconds, window_s: float) -> float | None:
+    """Ranks < k run `seconds` at once; the others sit it out."""
+    return seconds(window_s) if int(os.environ["RANK"]) < k else None
 
 
 # --- collectives (ranks < group) ------------------------------------------------------------------
@@ -361,9 +357,9 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
         tick(f"starting {world} ranks")
         compute = pool.call(measure_compute, sizes)[0]
         tick("matmul, memory, ops, optimizer")
-        slow = slowdowns(pool, world, block_loop, sizes["window_s"])
+        slow = slowdowns(pool, world, block_seconds, sizes["window_s"])
         tick(f"1..{world} ranks computing at once")
-        contention = slowdowns(pool, world, memory_loop, sizes["window_s"])
+        contention = slowdowns(pool, world, memory_seconds, sizes["window_s"])
         tick(f"1..{world} ranks sharing the memory")
         colls = {op: {} for op in OPS}
         for g in groups:
@@ -391,14 +387,12 @@ def profile_from(cal: Calibration, name: str | None) -> Hardware:
     device = cal.machine["device"]
     base = profile_for_device(device) if device != "cpu" else None
     if base is not None:
-        from dataclasses import replace
         return replace(base, name=name or base.name, calibration=cal,
                        source=f"calibrated on {cal.machine['hostname']} {cal.machine['measured_at']}")
     cpu = PROFILES["cpu"]
     peak = {k: max(r for _, r in v) for k, v in cal.matmul.items()}
     peak["fp16"] = peak.get("bf16", peak["fp32"])
     lat, bw = link_figures(cal)
-    from dataclasses import replace
     return replace(cpu, name=name or "cpu", peak_flops=peak, memory_bytes=_ram() / max(cal.machine["cores"], 1),
                    intra_node_bw=bw, inter_node_bw=bw, intra_node_latency_s=lat, inter_node_latency_s=lat,
                    gpus_per_node=cal.machine["cores"], memory_bw=cal.memory_bw, calibration=cal,

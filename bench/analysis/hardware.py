@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, fields, replace
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -225,7 +225,19 @@ def hardware_from_dict(data: dict, source: str = "profile", prefix: str = "") ->
 
 
 def load_profiles(path: str | Path) -> dict[str, Hardware]:
+    """The profiles of one YAML file, parsed once per version of it: every prediction looks its profile
+    up by name (a sweep's pruning once per config), and a calibrated profile is several ms to parse."""
     path = Path(path)
+    try:
+        version = (path.stat().st_mtime_ns, path.stat().st_size)
+    except OSError:  # missing or unreadable: _parse_profiles says so in one line
+        version = None
+    return dict(_parse_profiles(path, path.resolve(), version))
+
+
+@lru_cache(maxsize=64)
+def _parse_profiles(path: Path, where: Path, version: tuple | None) -> dict[str, Hardware]:
+    """`path` as given (messages name it), `where` and `version` tell files apart."""
     data = load_yaml(path, "hardware file") or {}
     several = isinstance(data, dict) and "profiles" in data
     items = data["profiles"] if several else [data]

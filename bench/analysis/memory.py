@@ -238,22 +238,19 @@ def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationMod
                                        cfg.recompute, prec.act, act)
     # FSDP2 computes in its gathered bf16 parameters (MixedPrecisionPolicy), not under torch.autocast
     autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32" and cfg.backend != "fsdp"
-    weight_copies = 0.0  # native: held once for the step (recomputation too reuses them), not per micro-batch
-    if autocast and cfg.backend == "native":
-        weight_copies = _autocast_weight_copies(m, cfg.tp) * rank.layers
+    # the bf16 weight copies: per micro-batch in flight, but the native engine holds one for the step
+    # (recomputation reuses it too)
+    per_step = autocast and cfg.backend == "native"
     if autocast and cfg.recompute != "full":
         per_layer += _autocast_norm_inputs(m, cfg.micro_batch * cfg.seq, cfg.tp, cfg.sequence_parallel)
-        if cfg.backend != "native":
-            per_layer += _autocast_weight_copies(m, cfg.tp)
+        per_layer += 0.0 if per_step else _autocast_weight_copies(m, cfg.tp)
     head = head_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, prec.act,
                                  logits_saved=not act.flash)
-    if autocast:  # the head's bf16 weight copy, saved for its backward as the blocks' are
-        head_copy = 2 * head_params_local(m, cfg.tp, cfg.pp)
-        if cfg.backend == "native":
-            weight_copies += head_copy if rank.head_in_flight else 0.0
-        else:
-            head += head_copy
-    activations = per_layer * rank.layers_in_flight + rank.head_in_flight * head + weight_copies
+    head_copy = 2 * head_params_local(m, cfg.tp, cfg.pp) if autocast else 0.0  # saved for its backward
+    head += 0.0 if per_step else head_copy
+    held_for_step = (_autocast_weight_copies(m, cfg.tp) * rank.layers + (head_copy if rank.head_in_flight else 0.0)
+                     if per_step else 0.0)
+    activations = per_layer * rank.layers_in_flight + rank.head_in_flight * head + held_for_step
     state = model_state(plan, stage, prec)
     peak = step_peak(plan, stage, prec, act, activations, head if rank.head_in_flight else 0.0, state)
     out = {**state, "activation_bytes": activations, "activation_bytes_per_layer": per_layer,

@@ -263,8 +263,8 @@ def sweep_text(result: Plan, model: str, gpus: int, gpus_per_node: int, hardware
     `base`, the rest one entry of `runs` each (best first, its prediction in a comment), so the
     sweep expands to exactly these configs."""
     import yaml
-    rows = [{**{k: row[k] for k in SWEEP_FIELDS if row[k] is not None}, "device": plan_device(hardware)}
-            for row in result.configs]
+    device = plan_device(hardware)
+    rows = [{**{k: row[k] for k in SWEEP_FIELDS if row[k] is not None}, "device": device} for row in result.configs]
     shared = {k: v for k, v in rows[0].items() if all(r.get(k) == v for r in rows)} if len(rows) > 1 else {}
     hw = get_hardware(hardware)
     lines = [f"# written by `{command}` on {when}",

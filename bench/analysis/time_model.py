@@ -294,20 +294,21 @@ def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_sta
     tp = sum(collective_time(tr, hw, *links["tp"]) * tr.ops for tr in per_mb if tr.dim == "tp")
     pp = sum(collective_time(tr, hw, *links["pp"]) * tr.ops for tr in per_mb if tr.dim == "pp")
     dev = Device(hw, cfg)
-    once = dev.compute(Work((), rank.layers * weight_cast_bytes(cfg))) if casts_weights_once(cfg, impl) else 0.0
-    return StageTime(m * (f + b) + gradient_upkeep(cfg, rank, dev, impl) + once,
-                     m * dev.overhead(Work((), 0, ops)), tp, pp, b, traffic)
+    return StageTime(m * (f + b) + dev.compute(step_upkeep(cfg, rank, impl)), m * dev.overhead(Work((), 0, ops)),
+                     tp, pp, b, traffic)
 
 
-def gradient_upkeep(cfg, rank, dev: Device, impl: str) -> float:
-    """This suite's engines keep each fp32 gradient through autograd: zeroed once a step (4 bytes per
-    parameter) and accumulated into by every micro-batch's backward (read both, write: 12); the native
-    engine copies the first micro-batch's in (read, write: 8) and adds the others', never zeroing.
-    Megatron-LM (`table2`) fuses the accumulation into the weight-gradient GEMM."""
+def step_upkeep(cfg, rank, impl: str) -> Work:
+    """Memory-bound work once a step, beyond the micro-batches'. This suite's engines keep each fp32
+    gradient through autograd: zeroed once a step (4 bytes per parameter) and accumulated into by every
+    micro-batch's backward (read both, write: 12); the native engine copies the first micro-batch's in
+    (read, write: 8) and adds the others', never zeroing, and casts its weights to bf16 once (under
+    mixed precision). Megatron-LM (`table2`) fuses the accumulation into the weight-gradient GEMM."""
     if impl != "suite":
-        return 0.0
+        return Work()
     per_param = 12 * cfg.micro_batches - 4 if cfg.backend == "native" else 4 + 12 * cfg.micro_batches
-    return dev.compute(Work((), per_param * rank.params))
+    casts = rank.layers * weight_cast_bytes(cfg) if casts_weights_once(cfg, impl) else 0.0
+    return Work((), per_param * rank.params + casts)
 
 
 def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:

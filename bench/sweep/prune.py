@@ -78,14 +78,14 @@ def predict(cfg: RunConfig, hw: Hardware | None, ranks_on_host: int) -> Predicti
     row = predict_row(cfg, cfg.device, hw)  # no profile (hw None): a device name no profile matches
     if "pred_error" in row:
         return Prediction(None, error=row["pred_error"])
-    out = Prediction(row["pred_total_bytes"])
+    peak = row["pred_total_bytes"]
     if hw is None:
-        return out
+        return Prediction(peak)
     memory, note = hw.memory_bytes, f"one device's {format_bytes(hw.memory_bytes)}"
     if shares_host_memory(hw) and memory:
         host = hw.memory_bytes * hw.gpus_per_node
         memory, note = host / ranks_on_host, f"{format_bytes(host)} of host memory shared by {ranks_on_host} rank(s)"
-    return Prediction(out.peak_bytes, row["pred_step_time_s"], row["pred_tokens_per_s"], row["pred_hardware"],
+    return Prediction(peak, row["pred_step_time_s"], row["pred_tokens_per_s"], row["pred_hardware"],
                       memory or None, note)
 
 
