@@ -11,7 +11,7 @@ groups of 2..world ranks (each group its own default group: ranks beyond it sit 
     activation_bw     bytes/s of each MLP activation (tanh GELU, SwiGLU) and of the loss (cross-entropy)
     composition       a fixed transformer block's forward + backward, measured / modelled from the above
     op_overhead_s     one aten op of forward + backward through tiny modules (module call, dispatch, autograd)
-    optimizer         one AdamW step with gradient clipping, per parameter and per tensor
+    optimizer         one AdamW step, per parameter (its state beyond the last-level cache) and per tensor
     collectives       seconds per op over message sizes, per op and group size, every group busy at once
     oversubscription  k ranks' reference-block time / one rank's
     memory_contention k ranks' time of a memory-bound kernel (operands beyond the caches) / one rank's
@@ -161,9 +161,12 @@ def op_overhead(window_s: float, blocks: int = 8) -> float:
     return per_call(step, dev, window_s) / Count.ops
 
 
-def optimizer_cost(window_s: float, n: int = 1 << 21, small: int = 64) -> tuple[float, float]:
-    """(seconds per parameter, seconds per tensor) of AdamW (the suite's optimizer) + gradient clipping,
-    fp32 state: a few large tensors give the first, many one-element tensors the second."""
+def optimizer_cost(window_s: float, small: int = 64) -> tuple[float, float]:
+    """(seconds per parameter, seconds per tensor) of AdamW, the suite's optimizer, as every backend
+    runs it (no gradient clipping), fp32 state: a few large tensors give the first, many one-element
+    tensors the second. Between two optimizer steps a training step's forward and backward sweep
+    activations and gradients through the caches, so the optimizer meets its state in memory: the
+    large tensors hold twice the last-level cache (parameter, gradient, m, v: 16 bytes a parameter)."""
     import torch
     from bench.training import make_optimizer
     dev = _device()
@@ -172,14 +175,24 @@ def optimizer_cost(window_s: float, n: int = 1 << 21, small: int = 64) -> tuple[
         params = [torch.nn.Parameter(torch.randn(k, device=dev)) for k in sizes]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = make_optimizer(params)
-
-        def step():
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-        return per_call(step, dev, window_s)
+        return per_call(make_optimizer(params).step, dev, window_s)
+    n = 8 * max(1 << 18, 2 * last_level_cache_bytes(dev) // 16 // 8)
     per_tensor = seconds([1] * small) / small
     return max(seconds([n // 8] * 8) - 8 * per_tensor, 0.0) / n, per_tensor
+
+
+def last_level_cache_bytes(device) -> int:
+    """The largest cache in front of the device's memory: a GPU's L2, a CPU's last level (sysfs; 32 MiB
+    where it cannot be read)."""
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=32 << 20)
 
 
 def measure_compute(sizes: dict) -> dict | None:

@@ -301,7 +301,7 @@ class Calibration:
     op_overhead_s: float
     """Seconds one small op costs in forward + autograd (dispatch, allocation), beyond its work."""
     optimizer_s_per_param: float
-    """Seconds per fp32 parameter of one AdamW step (gradient clipping included)."""
+    """Seconds per fp32 parameter of one AdamW step, its state read from memory (not the caches)."""
     optimizer_s_per_tensor: float
     """Seconds per parameter tensor of that step beyond its elements (its ops' host cost)."""
     collectives: dict

@@ -47,6 +47,7 @@ from math import ceil
 from bench.analysis.comm import Traffic, stage_traffic, wire_bytes
 from bench.analysis.hardware import Hardware, dtype_key
 from bench.analysis.memory import precision
+from bench.backends.deepspeed_config import grad_bytes
 from models.config import block_matmul_weights
 
 TERMS = ("compute_s", "overhead_s", "comm_exposed_tp_s", "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s",
@@ -181,6 +182,15 @@ def embed_work(cfg) -> Work:
     return Work((), 3 * bs * cfg.model_config.hidden * 4, 4)
 
 
+def embed_backward_work(cfg) -> Work:
+    """The embedding's backward: the token rows' gradients scattered into a dense gradient of the whole
+    (vocab-parallel) table, which is zero-filled first (4 bytes an entry), and the learned positions'
+    likewise."""
+    mc = cfg.model_config
+    rows = mc.vocab // cfg.tp + (cfg.seq if mc.position == "learned" else 0)
+    return Work((), 2 * embed_work(cfg).bytes + 4 * rows * mc.hidden)
+
+
 class Device:
     """The profile's costs as the time model reads them."""
 
@@ -271,7 +281,7 @@ def part_costs(cfg, hw: Hardware, impl: str) -> PartCosts:
     redo = {"none": Work(), "selective": core, "full": fwd}[cfg.recompute]
     embed, head = embed_work(cfg), head_work(cfg)
     costs = PartCosts(dev.compute(fwd), dev.compute(bwd) + dev.compute(redo), fwd.ops + bwd.ops + redo.ops,
-                      dev.compute(embed), 2 * dev.compute(embed), dev.compute(head),
+                      dev.compute(embed), dev.compute(embed_backward_work(cfg)), dev.compute(head),
                       dev.compute(Work(backward_gemms(head.matmuls), loss_bytes=head.loss_bytes)), 3 * head.ops)
     if len(_COSTS) > 65536:
         _COSTS.clear()
@@ -294,21 +304,64 @@ def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_sta
     tp = sum(collective_time(tr, hw, *links["tp"]) * tr.ops for tr in per_mb if tr.dim == "tp")
     pp = sum(collective_time(tr, hw, *links["pp"]) * tr.ops for tr in per_mb if tr.dim == "pp")
     dev = Device(hw, cfg)
-    return StageTime(m * (f + b) + dev.compute(step_upkeep(cfg, rank, impl)), m * dev.overhead(Work((), 0, ops)),
+    return StageTime(m * (f + b) + dev.compute(step_upkeep(cfg, rank, impl, traffic)), m * dev.overhead(Work((), 0, ops)),
                      tp, pp, b, traffic)
 
 
-def step_upkeep(cfg, rank, impl: str) -> Work:
-    """Memory-bound work once a step, beyond the micro-batches'. This suite's engines keep each fp32
-    gradient through autograd: zeroed once a step (4 bytes per parameter) and accumulated into by every
-    micro-batch's backward (read both, write: 12); the native engine copies the first micro-batch's in
-    (read, write: 8) and adds the others', never zeroing, and casts its weights to bf16 once (under
-    mixed precision). Megatron-LM (`table2`) fuses the accumulation into the weight-gradient GEMM."""
+def step_upkeep(cfg, rank, impl: str, traffic: tuple = ()) -> Work:
+    """Memory-bound work once a step, beyond the micro-batches': the gradients' own upkeep and the
+    backend's copies around its collectives (`backend_copy_bytes`). Autograd hands the first
+    micro-batch's fp32 gradient over as is and adds every later one into it (read both, write: 12
+    bytes a parameter); the native engine copies the first into its bucket (8) and adds the others,
+    and casts its weights to bf16 once (under mixed precision). Megatron-LM (`table2`) fuses the
+    accumulation into the weight-gradient GEMM."""
     if impl != "suite":
         return Work()
-    per_param = 12 * cfg.micro_batches - 4 if cfg.backend == "native" else 4 + 12 * cfg.micro_batches
-    casts = rank.layers * weight_cast_bytes(cfg) if casts_weights_once(cfg, impl) else 0.0
-    return Work((), per_param * rank.params + casts)
+    m, n = cfg.micro_batches, rank.params
+    if cfg.backend == "native":
+        casts = rank.layers * weight_cast_bytes(cfg) if casts_weights_once(cfg, impl) else 0.0
+        return Work((), (12 * m - 4) * n + casts)
+    partitioned = cfg.backend == "deepspeed" and cfg.zero >= 2  # ZeRO-2/3 accumulate into the rank's partition
+    accumulate = (12 / cfg.dp if partitioned else 12) * (m - 1)
+    return Work((), accumulate * n + backend_copy_bytes(cfg, n, traffic))
+
+
+# DeepSpeed's own copies, bytes per parameter of the rank at fp32 gradients: (a, b, c) = a + b/n per
+# gradient reduction round and c/n per step over n data-parallel ranks, counted under TorchDispatchMode
+# at dp 2 and 4 (tests/test_time_model.py). A round flattens the gradients into the reduce bucket and
+# averages them, and at ZeRO ≥ 1 copies the rank's slice out to its fp32 partition; the step's work is
+# on the partition: the gradient norm's read, the updated partition copied into the gathered
+# parameters. ZeRO-0 copies the averaged bucket back to the gradients. ZeRO-3 also copies around each
+# parameter all-gather, as FSDP2 does (`gather_copy_factor`).
+DEEPSPEED_COPY_BYTES = {0: (24, 0, 0), 1: (26, 12, 36), 2: (26, 12, 36), 3: (24, 8, 52)}
+
+
+def gather_copy_factor(n: int) -> float:
+    """Bytes copied per byte all-gathered over n ranks: the local shard copied into the gather buffer
+    (read and write 1/n) and the gathered buffer out to the parameters (read and write 1)."""
+    return 2 + 2 / n
+
+
+def backend_copy_bytes(cfg, params: float, traffic: tuple) -> float:
+    """Bytes the backend reads and writes per step copying around its data-parallel collectives (a
+    GPU's memory bandwidth, a CPU core's time): DDP divides each gradient into its bucket and copies the
+    reduced bucket back (4 × the bucket); FSDP2 copies around each all-gather (`gather_copy_factor`), and
+    chunks the gradients into each reduce-scatter's buffer and its output shard into the sharded
+    gradient (2 + 2/n × the gradients); DeepSpeed: DEEPSPEED_COPY_BYTES."""
+    dp = [tr for tr in traffic if tr.dim == "dp"]
+    gathers = sum(gather_copy_factor(tr.group) * tr.total for tr in dp if tr.kind == "all_gather" and tr.per == "micro-batch")
+    if cfg.backend == "deepspeed":
+        if cfg.dp == 1 and not cfg.zero:
+            return 0.0
+        a, b, c = DEEPSPEED_COPY_BYTES[cfg.zero]
+        rounds = cfg.micro_batches if cfg.zero >= 2 else 1
+        per_param = (a + b / cfg.dp) * rounds * grad_bytes(cfg) / 4 + c / cfg.dp
+        return per_param * params + (gathers if cfg.zero == 3 else 0.0)
+    if cfg.backend == "fsdp":
+        reduce = {"reduce_scatter": lambda n: 2 + 2 / n, "all_reduce": lambda n: 4}  # all-reduce: replicate, as DDP
+        return gathers + sum(reduce[tr.kind](tr.group) * tr.total for tr in dp if tr.kind in reduce
+                             and tr.what == "gradients")
+    return sum(4 * tr.total for tr in dp if tr.kind == "all_reduce" and tr.what == "gradients")
 
 
 def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:
