@@ -64,6 +64,7 @@ def _rank_main(rank: int, world: int, tasks: mp.Queue, results: mp.Queue, log: s
     import torch
     torch.set_num_threads(1)  # N ranks on 2 cores: more threads only oversubscribe
     from bench import worker  # imported before "ready", so that it never counts against a run's time
+    worker.keep_freed_memory()  # every call on the pool (runs, calibration) meets the same allocator
     results.put((rank, "ready", None))
     while (task := tasks.get()) is not None:
         fn, args, port = task
