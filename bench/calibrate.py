@@ -9,10 +9,11 @@ groups of 2..world ranks (each group its own default group: ranks beyond it sit 
     matmul            FLOP/s by dtype over square shapes, operands read cold (the efficiency curve)
     memory_bw         bytes/s of elementwise and norm kernels (add, layer norm; the median)
     activation_bw     bytes/s of each MLP activation (tanh GELU, SwiGLU) and of the loss (cross-entropy)
-    composition       a fixed transformer block's forward + backward, measured / modelled from the above
+    composition       a fixed small GPT's forward + backward, measured / modelled from the above
     op_overhead_s     one aten op of forward + backward through tiny modules (module call, dispatch, autograd)
     optimizer         one AdamW step, per parameter (its state beyond the last-level cache) and per tensor
-    collectives       seconds per op over message sizes, per op and group size, every group busy at once
+    collectives       seconds per op over message sizes, per op, group size and ranks running (every
+                      group of those ranks busy at once)
     oversubscription  k ranks' reference-block time / one rank's
     memory_contention k ranks' time of a memory-bound kernel (operands beyond the caches) / one rank's
 
@@ -203,10 +204,10 @@ def measure_compute(sizes: dict) -> dict | None:
     per_param, per_tensor = optimizer_cost(w)
     return {"matmul": matmul_curve(sizes["matmul"], w), **memory_bandwidth(w, sizes["elementwise"]),
             "op_overhead_s": op_overhead(w), "optimizer_s_per_param": per_param, "optimizer_s_per_tensor": per_tensor,
-            "block_s": block_seconds(w)}
+            "reference_s": reference_seconds(8 * w)}  # ~0.1 s a call: a longer window
 
 
-# A fixed transformer block, no preset of the suite: the composition factor is the machine's, not a model's.
+# A fixed transformer block, no preset of the suite: ranks running it at once give the oversubscription.
 REFERENCE_BLOCK = dict(name="calibration-block", vocab=256, seq_len=256, layers=1, hidden=384, heads=6,
                        ffn_hidden=1536)
 
@@ -223,22 +224,41 @@ def block_seconds(window_s: float) -> float:
     return per_call(lambda: block(x).sum().backward(), dev, window_s)
 
 
+# A fixed small GPT, no preset of the suite: the composition factor is the machine's, not a model's.
+REFERENCE_MODEL = dict(name="calibration-model", vocab=4096, seq_len=256, layers=4, hidden=384, heads=6,
+                       ffn_hidden=1536)
+
+
+def reference_seconds(window_s: float) -> float:
+    """Forward + backward of REFERENCE_MODEL (batch 1, fp32) through its loss: embedding, blocks, head
+    and cross-entropy one after another, as a step runs them."""
+    import torch
+    from models.config import GPTConfig
+    from models.gpt import build_model, loss_fn
+    dev = _device()
+    cfg = GPTConfig(**REFERENCE_MODEL)
+    model = build_model(cfg, 0, dev)
+    idx = torch.randint(0, cfg.vocab, (1, cfg.seq_len), device=dev)
+    return per_call(lambda: loss_fn(model(idx), idx).backward(), dev, window_s)
+
+
 def composition(cal: Calibration) -> float:
-    """Measured / modelled compute of REFERENCE_BLOCK: what running the kernels one after another in a
-    step costs beyond each micro-benchmark alone (caches the neighbours evict, transposed and skinny
-    operands). The time model multiplies compute by it; < 1 is taken as 1."""
+    """Measured / modelled forward + backward of REFERENCE_MODEL: what running a model's kernels one
+    after another costs beyond each micro-benchmark alone (caches the neighbours evict, skinny operands,
+    the fused attention's own rate). The time model multiplies compute by it; < 1 is taken as 1. A
+    block alone, run over and over, reads ~10 % less than the blocks of a model do."""
     from types import SimpleNamespace
 
     from bench.analysis import time_model
     from models.config import GPTConfig
-    mc = GPTConfig(**REFERENCE_BLOCK)
+    mc = GPTConfig(**REFERENCE_MODEL)
     shape = SimpleNamespace(model_config=mc, tp=1, micro_batch=1, seq=mc.seq_len, dtype="fp32",
-                            sequence_parallel=False, world=1)
-    dev = time_model.Device(profile_from(replace(cal, composition=1.0), None), shape)
-    fwd, bwd, _ = time_model.layer_work(shape, "suite")
-    modelled = dev.compute(fwd) + dev.compute(bwd)
-    overhead = dev.overhead(fwd) + dev.overhead(bwd)
-    return max(1.0, (cal.block_s - overhead) / modelled)
+                            sequence_parallel=False, recompute="none", world=1, backend="ddp")
+    hw = profile_from(replace(cal, composition=1.0), None)
+    c = time_model.part_costs(shape, hw, "suite")
+    modelled = mc.layers * (c.layer_f + c.layer_b) + c.embed_f + c.embed_b + c.head_f + c.head_b
+    overhead = time_model.Device(hw, shape).overhead(time_model.Work((), 0, mc.layers * c.layer_ops + c.head_ops))
+    return max(1.0, (cal.reference_s - overhead) / modelled)
 
 
 def memory_seconds(window_s: float, n: int = 1 << 23) -> float:
@@ -267,9 +287,10 @@ def _on_first(k: int, seconds, window_s: float) -> float | None:
 
 
 # --- collectives (ranks < group) ------------------------------------------------------------------
-def measure_collectives(group: int, sizes: tuple, window_s: float) -> dict | None:
-    """{op: [[payload bytes, seconds], ...]} in groups of `group` ranks, every group of the pool busy
-    at once (as a layout's tp or dp groups run side by side); ranks past the last whole group idle."""
+def measure_collectives(group: int, ranks: int, sizes: tuple, window_s: float) -> dict | None:
+    """{op: [[payload bytes, seconds], ...]} in groups of `group` among the first `ranks` ranks, every
+    group busy at once (as a layout's tp or dp groups run side by side); the other ranks idle, so that a
+    run of `ranks` ranks meets the contention it has (on a CPU, ranks beyond the cores slow gloo too)."""
     rank = int(os.environ["RANK"])
     import torch
     import torch.distributed as dist
@@ -277,7 +298,7 @@ def measure_collectives(group: int, sizes: tuple, window_s: float) -> dict | Non
     dev = _device()
     world = init_from_env(dev, timeout_s=120)[1]
     try:
-        blocks = [list(range(s, s + group)) for s in range(0, world - group + 1, group)]
+        blocks = [list(range(s, s + group)) for s in range(0, ranks - group + 1, group)]
         made = [dist.new_group(b) for b in blocks]  # collective: every rank makes every group
         mine = next((g for b, g in zip(blocks, made) if rank in b), None)
         timing = _AfterCompute(dev, window_s)
@@ -301,10 +322,19 @@ def measure_collectives(group: int, sizes: tuple, window_s: float) -> dict | Non
         dist.destroy_process_group()
 
 
+def collective_shapes(world: int) -> list[tuple[int, int]]:
+    """(group size, ranks running) pairs to measure: groups of 2, 4, 8 and `world` among 2, 4, 8 and
+    `world` ranks running, wherever the groups tile the running ranks."""
+    sizes = sorted({g for g in (2, 4, 8, world) if 2 <= g <= world})
+    return [(g, r) for r in sizes for g in sizes if g <= r and r % g == 0]
+
+
 class _AfterCompute:
     """Times a collective as a training step meets it on a CPU: after some compute (about a millisecond
     of matmuls), so its cost includes waking the waiting rank and gloo's thread, which back-to-back
-    calls never pay; the compute alone, timed once, is taken off. On a GPU, back to back."""
+    calls never pay. Only the collective is timed, call by call: the median of three batches' means
+    (subtracting a separately timed compute would leave noise, or nothing, for a small message). On a
+    GPU, back to back."""
 
     def __init__(self, dev, window_s: float):
         import torch
@@ -312,12 +342,22 @@ class _AfterCompute:
         if dev.type == "cpu":
             a = torch.randn(256, 256, device=dev)
             self.compute = lambda: [a @ a for _ in range(8)]
-            self.alone = per_call(self.compute, dev, window_s)
 
     def seconds(self, op, reps: int) -> float:
         if self.dev.type != "cpu":
             return per_call(op, self.dev, self.window_s, reps)
-        return max(per_call(lambda: (self.compute(), op()), self.dev, self.window_s, reps) - self.alone, 1e-7)
+        self.compute()
+        op()  # warm: the group's first call sets up its connections
+        means = []
+        for _ in range(3):
+            spent = 0.0
+            for _ in range(reps):
+                self.compute()
+                t0 = time.perf_counter()
+                op()
+                spent += time.perf_counter() - t0
+            means.append(spent / reps)
+        return max(statistics.median(means), 1e-7)
 
 
 def _ping(x, peer: int, rank: int) -> None:
@@ -363,8 +403,8 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
     """Measure this machine on `world` ranks; returns the calibrated profile (not yet written)."""
     from bench.spawn import RankPool
     sizes = plan_sizes(quick, _cuda_available())
-    groups = sorted({g for g in (2, 4, 8, world) if 2 <= g <= world})
-    steps = 3 + len(groups)
+    shapes = collective_shapes(world)
+    steps = 3 + len(shapes)
     tick = progress or (lambda what: None)
     with RankPool(world) as pool:
         tick(f"starting {world} ranks")
@@ -375,12 +415,12 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
         contention = slowdowns(pool, world, memory_seconds, sizes["window_s"])
         tick(f"1..{world} ranks sharing the memory")
         colls = {op: {} for op in OPS}
-        for g in groups:
-            got = pool.call(measure_collectives, g, sizes["comm_bytes"], sizes["window_s"])
+        for g, ranks in shapes:
+            got = pool.call(measure_collectives, g, ranks, sizes["comm_bytes"], sizes["window_s"])
             times = {op: [[b, max(r[op][i][1] for r in got if r)] for i, (b, _) in enumerate(got[0][op])] for op in OPS}
             for op in OPS:
-                colls[op][g] = collective_curve(op, times[op])
-            tick(f"collectives in groups of {g}")
+                colls[op].setdefault(g, {})[ranks] = collective_curve(op, times[op])
+            tick(f"collectives in groups of {g}, {ranks} ranks running")
     info = machine()
     info.update(quick=quick, world=world, steps=steps)
     cal = Calibration(machine=info, collectives=colls, oversubscription=slow, memory_contention=contention,

@@ -175,6 +175,7 @@ def test_calibrate_writes_a_profile_found_by_name(calibrated, monkeypatch):
     cal = hw.calibration
     assert cal.machine["cores"] == os.cpu_count() and cal.machine["torch"].startswith("2.")
     assert set(cal.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    assert all(set(t) == {2} and set(t[2]) == {2} for t in cal.collectives.values())  # groups of 2, 2 running
     curve = cal.curve("all_reduce", 2)  # measured over message sizes: a larger one never reads faster
     assert len(curve) >= 3 and all(t0 <= t1 for (_, t0), (_, t1) in zip(curve, curve[1:]))
     mid = (curve[1][0] + curve[2][0]) / 2
@@ -194,11 +195,27 @@ def test_calibrate_writes_a_profile_found_by_name(calibrated, monkeypatch):
     assert code == 0 and est["calibrated"] and {"step_time_s", "compute_s", "overhead_s", "optimizer_s"} <= set(est)
 
 
+def test_collectives_are_read_at_the_ranks_running():
+    """A group of 2 among 4 running ranks (on a CPU, more ranks than cores) is read off its own curve;
+    without the ranks running, the group alone; a run larger than any measured, the largest."""
+    from bench.analysis.hardware import Calibration
+    alone, crowded = [(8.0, 1e-4), (1e6, 1e-3)], [(8.0, 4e-4), (1e6, 4e-3)]
+    cal = Calibration(machine={}, matmul={}, memory_bw=1.0, activation_bw={}, op_overhead_s=0.0,
+                      optimizer_s_per_param=0.0, optimizer_s_per_tensor=0.0,
+                      collectives={"all_reduce": {2: {2: alone, 4: crowded}}}, oversubscription={},
+                      memory_contention={}, reference_s=0.0, composition=1.0)
+    assert cal.collective_seconds("all_reduce", 2, 1e6, ranks=4) == 4e-3
+    assert cal.collective_seconds("all_reduce", 2, 1e6, ranks=2) == cal.collective_seconds("all_reduce", 2, 1e6) == 1e-3
+    assert cal.collective_seconds("all_reduce", 2, 1e6, ranks=1024) == 4e-3
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["calibration"].pop("memory_bw"), "calibration.memory_bw is missing"),
     (lambda d: d["calibration"].__setitem__("op_overhead_s", -1.0), "calibration.op_overhead_s is -1.0"),
     (lambda d: d.__setitem__("inter_node_bw", -5), "inter_node_bw: must be > 0"),
-    (lambda d: d["calibration"]["collectives"]["send"].__setitem__(2, [[0, 1e-3]]),
+    (lambda d: d["calibration"]["collectives"]["send"][2].__setitem__(2, [[0, 1e-3]]),
+     "calibration.collectives.send.2.2 must list [payload bytes, seconds] pairs > 0"),
+    (lambda d: d["calibration"]["collectives"]["send"].__setitem__(2, [[0, 1e-3]]),  # the format before ranks
      "calibration.collectives.send.2 must list [payload bytes, seconds] pairs > 0"),
 ])
 def test_bad_profiles_fail_in_one_line(calibrated, tmp_path, edit, message):

@@ -263,8 +263,8 @@ def calibrate(world, out, name, quick):
 
     from bench.analysis.hardware import format_bytes
     from bench.calibrate import calibrate as measure
-    from bench.calibrate import write_profile
-    groups = len({g for g in (2, 4, 8, world) if 2 <= g <= world})
+    from bench.calibrate import collective_shapes, write_profile
+    groups = len(collective_shapes(world))
     with Progress(TextColumn("{task.description:<40}"), BarColumn(), TimeElapsedColumn()) as bar:
         task = bar.add_task("starting ranks", total=2 + world + groups)
 
@@ -277,10 +277,12 @@ def calibrate(world, out, name, quick):
     click.echo(f"  matmul fp32 up to {hw.peak_flops['fp32'] / 1e9:,.1f} GFLOP/s, bf16 up to "
                f"{hw.peak_flops.get('bf16', 0) / 1e9:,.1f}; memory {cal.memory_bw / 1e9:.2f} GB/s; "
                f"op {cal.op_overhead_s * 1e6:.1f} µs; AdamW {cal.optimizer_s_per_param * 1e9:.2f} ns/param; "
-               f"a block's kernels together ×{cal.composition:.2f} their time alone")
+               f"a model's kernels together ×{cal.composition:.2f} their time alone")
     for op, table in cal.collectives.items():
-        click.echo(f"  {op:<15}" + "  ".join(f"n={n}: " + ", ".join(f"{format_bytes(b)} {t * 1e3:.2f} ms" for b, t in points)
-                                              for n, points in sorted(table.items())))
+        for n, by_ranks in sorted(table.items()):
+            for ranks, points in sorted(by_ranks.items()):
+                click.echo(f"  {op:<15}n={n} of {ranks} running: " +
+                           ", ".join(f"{format_bytes(b)} {t * 1e3:.2f} ms" for b, t in points))
     click.echo("  ranks sharing the machine slow compute ×" +
                ", ".join(f"{f:.2f} ({k})" for k, f in sorted(cal.oversubscription.items())) +
                "; memory-bound work ×" + ", ".join(f"{f:.2f} ({k})" for k, f in sorted(cal.memory_contention.items())))

@@ -305,18 +305,20 @@ class Calibration:
     optimizer_s_per_tensor: float
     """Seconds per parameter tensor of that step beyond its elements (its ops' host cost)."""
     collectives: dict
-    """op → {group size: [[payload bytes, seconds], ...]}: one op's measured time over message sizes
-    (a send: one direction). Between sizes the time is interpolated, beyond the largest it grows at the
-    largest segment's rate: a mid-size message is not as fast as a line through the extremes says."""
+    """op → {group size: {ranks running: [[payload bytes, seconds], ...]}}: one op's measured time over
+    message sizes (a send: one direction) while that many ranks of the machine run (on a CPU, ranks
+    beyond the cores slow every group's collectives). Between sizes the time is interpolated, beyond
+    the largest it grows at the largest segment's rate: a mid-size message is not as fast as a line
+    through the extremes says."""
     oversubscription: dict
     """ranks → slowdown of compute when that many ranks share the machine (1 when each has a core)."""
     memory_contention: dict
     """ranks → slowdown of memory-bound kernels (operands beyond the caches) when that many ranks run
     them at once: ranks on one CPU share its memory bandwidth (GPUs each have their own: ~1)."""
-    block_s: float
-    """Seconds of a fixed transformer block's forward + backward (bench.calibrate.REFERENCE_BLOCK)."""
+    reference_s: float
+    """Seconds of a fixed small GPT's forward + backward (bench.calibrate.REFERENCE_MODEL)."""
     composition: float
-    """That block's measured / modelled compute (≥ 1): the kernels of a step run slower one after another
+    """That model's measured / modelled compute (≥ 1): the kernels of a step run slower one after another
     than each alone; the time model's compute is multiplied by it."""
 
     def matmul_rate(self, dtype: str, flops: float) -> float:
@@ -331,17 +333,20 @@ class Calibration:
                 return r0 + w * (r1 - r0)
         return curve[-1][1]
 
-    def curve(self, kind: str, group: int) -> list | None:
-        """The measured [[payload, seconds], ...] of `kind` in the measured group size nearest to `group`
-        (None: not measured)."""
+    def curve(self, kind: str, group: int, ranks: int | None = None) -> list | None:
+        """The measured [[payload, seconds], ...] of `kind` in the measured group size nearest to `group`,
+        measured with the number of ranks running nearest to `ranks` (default: the group alone); None:
+        not measured."""
         table = self.collectives.get("all_reduce" if kind == "broadcast" else kind)
         if not table:
             return None
-        return table[min(table, key=lambda k: (abs(k - group), -k))]
+        by_ranks = table[min(table, key=lambda k: (abs(k - group), -k))]
+        want = ranks or group
+        return by_ranks[min(by_ranks, key=lambda k: (abs(k - want), k))]
 
-    def collective_seconds(self, kind: str, group: int, payload: float) -> float | None:
-        """Seconds of one `kind` op moving `payload` bytes, read off its measured curve."""
-        points = self.curve(kind, group)
+    def collective_seconds(self, kind: str, group: int, payload: float, ranks: int | None = None) -> float | None:
+        """Seconds of one `kind` op moving `payload` bytes while `ranks` ranks run, off its measured curve."""
+        points = self.curve(kind, group, ranks)
         if points is None:
             return None
         if payload <= points[0][0]:
@@ -373,7 +378,7 @@ def _per_ranks(measured: dict, ranks: int) -> float:
     return table[below] * ranks / below  # past the measured counts: ranks share the cores evenly
 
 
-_CAL_FIGURES = ("memory_bw", "op_overhead_s", "optimizer_s_per_param", "optimizer_s_per_tensor", "block_s",
+_CAL_FIGURES = ("memory_bw", "op_overhead_s", "optimizer_s_per_param", "optimizer_s_per_tensor", "reference_s",
                 "composition")
 
 
@@ -381,6 +386,8 @@ def calibration_from_dict(data: dict, where: str) -> Calibration:
     """Checked: every figure present and positive; one error names the file, the key and the fix."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: calibration must be a mapping; rerun `bench calibrate`")
+    if "block_s" in data and "reference_s" not in data:  # a profile whose composition came from one block
+        data = {("reference_s" if k == "block_s" else k): v for k, v in data.items()}
     known = {f.name for f in fields(Calibration)}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -400,15 +407,20 @@ def calibration_from_dict(data: dict, where: str) -> Calibration:
         if not curve or any(len(p) != 2 or p[0] <= 0 or p[1] <= 0 for p in curve):
             raise ValueError(f"{where}: calibration.matmul.{dtype} must list [FLOP, FLOP/s] pairs > 0 "
                              "(rerun `bench calibrate`)")
+    measured_on = int(data["machine"].get("world", 2)) if isinstance(data["machine"], dict) else 2
+    collectives = {}
     for op, table in data["collectives"].items():
-        for n, points in table.items():
-            if not points or any(not isinstance(p, (list, tuple)) or len(p) != 2 or p[0] <= 0 or p[1] <= 0
-                                 for p in points):
-                raise ValueError(f"{where}: calibration.collectives.{op}.{n} must list [payload bytes, seconds] "
-                                 "pairs > 0 (rerun `bench calibrate`)")
+        for n, by_ranks in table.items():
+            legacy = isinstance(by_ranks, list)  # a profile from before the ranks running were recorded
+            for ranks, points in ({measured_on: by_ranks} if legacy else by_ranks).items():
+                if not points or any(not isinstance(p, (list, tuple)) or len(p) != 2 or p[0] <= 0 or p[1] <= 0
+                                     for p in points):
+                    key = f"{op}.{n}" if legacy else f"{op}.{n}.{ranks}"
+                    raise ValueError(f"{where}: calibration.collectives.{key} must list [payload bytes, seconds] "
+                                     "pairs > 0 (rerun `bench calibrate`)")
+                collectives.setdefault(op, {}).setdefault(int(n), {})[int(ranks)] = sorted(map(tuple, points))
     out = dict(data, matmul={k: sorted(map(tuple, v)) for k, v in data["matmul"].items()},
-               collectives={op: {int(n): sorted(map(tuple, p)) for n, p in t.items()}
-                            for op, t in data["collectives"].items()},
+               collectives=collectives,
                oversubscription={int(k): float(v) for k, v in data["oversubscription"].items()},
                memory_contention={int(k): float(v) for k, v in data["memory_contention"].items()})
     return Calibration(**out)
@@ -437,5 +449,6 @@ def hardware_to_dict(hw: Hardware) -> dict:
     if out["calibration"]:
         cal = out["calibration"]
         cal["matmul"] = {k: [list(p) for p in v] for k, v in cal["matmul"].items()}
-        cal["collectives"] = {op: {int(n): list(p) for n, p in t.items()} for op, t in cal["collectives"].items()}
+        cal["collectives"] = {op: {int(n): {int(r): [list(x) for x in p] for r, p in by_ranks.items()}
+                                   for n, by_ranks in t.items()} for op, t in cal["collectives"].items()}
     return out

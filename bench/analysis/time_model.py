@@ -219,13 +219,14 @@ class Device:
         return w.ops * self.op_s * self.slow
 
 
-def collective_time(tr: Traffic, hw: Hardware, bw: float, latency: float) -> float:
-    """One op: its time for that payload and group size on the calibrated curve, else the ring over
-    the link (latency per hop, 2(n−1) hops for all-reduce, n−1 for gather/scatter, + wire bytes / bw)."""
+def collective_time(tr: Traffic, hw: Hardware, bw: float, latency: float, ranks: int | None = None) -> float:
+    """One op: its time for that payload and group size on the calibrated curve measured with `ranks`
+    ranks running (the run's world), else the ring over the link (latency per hop, 2(n−1) hops for
+    all-reduce, n−1 for gather/scatter, + wire bytes / bw)."""
     n = tr.group
     if n <= 1 or tr.kind == "recv":
         return 0.0
-    measured = hw.calibration and hw.calibration.collective_seconds(tr.kind, n, tr.payload)
+    measured = hw.calibration and hw.calibration.collective_seconds(tr.kind, n, tr.payload, ranks)
     if measured:
         return measured
     hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(tr.kind, 1)
@@ -301,8 +302,8 @@ def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_sta
     if impl == "table2":
         traffic = megatron_traffic(cfg, rank, traffic)
     per_mb = [tr for tr in traffic if tr.per == "micro-batch"]
-    tp = sum(collective_time(tr, hw, *links["tp"]) * tr.ops for tr in per_mb if tr.dim == "tp")
-    pp = sum(collective_time(tr, hw, *links["pp"]) * tr.ops for tr in per_mb if tr.dim == "pp")
+    tp = sum(collective_time(tr, hw, *links["tp"], cfg.world) * tr.ops for tr in per_mb if tr.dim == "tp")
+    pp = sum(collective_time(tr, hw, *links["pp"], cfg.world) * tr.ops for tr in per_mb if tr.dim == "pp")
     dev = Device(hw, cfg)
     return StageTime(m * (f + b) + dev.compute(step_upkeep(cfg, rank, impl, traffic)), m * dev.overhead(Work((), 0, ops)),
                      tp, pp, b, traffic)
@@ -400,7 +401,7 @@ def can_overlap(cfg, hw: Hardware) -> bool:
 def dp_exposed(cfg, st: StageTime, hw: Hardware, link: tuple) -> float:
     """Data-parallel time not hidden behind compute (see the module docstring)."""
     items = [tr for tr in st.traffic if tr.dim == "dp"]
-    gathers = sum(collective_time(tr, hw, *link) * tr.ops for tr in items if tr.per == "micro-batch")
+    gathers = sum(collective_time(tr, hw, *link, cfg.world) * tr.ops for tr in items if tr.per == "micro-batch")
     ops_mb = sum(tr.ops for tr in items if tr.per == "micro-batch")
     exposed = 0.0
     if gathers:  # prefetched one layer ahead: the first is exposed, each other one beyond its layer's compute
@@ -409,12 +410,12 @@ def dp_exposed(cfg, st: StageTime, hw: Hardware, link: tuple) -> float:
     if gathers and not can_overlap(cfg, hw):
         exposed = gathers
     step = [tr for tr in items if tr.per == "step"]
-    total = sum(collective_time(tr, hw, *link) * tr.ops for tr in step)
+    total = sum(collective_time(tr, hw, *link, cfg.world) * tr.ops for tr in step)
     if not total:
         return exposed
     if cfg.backend == "deepspeed" or not can_overlap(cfg, hw):  # DeepSpeed reduces at the accumulation
         return exposed + total  # boundary, after backward
-    last = max(collective_time(tr, hw, *link) for tr in step)  # the last bucket waits for the last layer
+    last = max(collective_time(tr, hw, *link, cfg.world) for tr in step)  # the last bucket waits for the last layer
     return exposed + max(last, total - st.last_backward)
 
 
@@ -448,14 +449,14 @@ def step_terms(plan, hw: Hardware, links: dict, impl: str = "table2", mixed_stat
     for stage in plan.ranks:
         st = stage_time(plan, stage, hw, links, impl, mixed_state)
         per_step = [tr for tr in st.traffic if tr.per == "step" and tr.dim in ("tp", "pp")]
-        tp_step = sum(collective_time(tr, hw, *links[tr.dim]) * tr.ops for tr in per_step if tr.dim == "tp")
-        pp_step = sum(collective_time(tr, hw, *links[tr.dim]) * tr.ops for tr in per_step if tr.dim == "pp")
+        tp_step = sum(collective_time(tr, hw, *links[tr.dim], cfg.world) * tr.ops for tr in per_step if tr.dim == "tp")
+        pp_step = sum(collective_time(tr, hw, *links[tr.dim], cfg.world) * tr.ops for tr in per_step if tr.dim == "pp")
         terms = {"compute_s": st.compute, "overhead_s": st.overhead, "comm_exposed_tp_s": st.tp + tp_step,
                  "comm_exposed_pp_s": st.pp + pp_step, "comm_exposed_dp_s": dp_exposed(cfg, st, hw, links["dp"]),
                  "bubble_s": st.busy * plan.step.bubble_over_ideal, "optimizer_s": optimizer_time(plan, stage, hw)}
         total = sum(terms.values())
         if best is None or total > best[0]:
-            dp_all = sum(collective_time(tr, hw, *links["dp"]) * tr.ops for tr in st.traffic if tr.dim == "dp")
+            dp_all = sum(collective_time(tr, hw, *links["dp"], cfg.world) * tr.ops for tr in st.traffic if tr.dim == "dp")
             best = (total, terms, stage, dp_all)
     total, terms, stage, dp_all = best
     return {**terms, "step_time_s": total, "time_stage": stage, "comm_dp_total_s": dp_all}
