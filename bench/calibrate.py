@@ -4,7 +4,8 @@ reads (bench.analysis.hardware.Calibration, bench.analysis.time_model).
 Measured where the benchmark's ranks run: in RankPool ranks (one thread each, the same allocator),
 with CUDA events and NCCL on a GPU node. Compute figures come from rank 0 alone; the
 oversubscription factor from k ranks running the same reference block at once; the collectives from
-groups of 2..world ranks (each group its own default group: ranks beyond it sit the call out).
+groups of 2..world ranks among 2..world ranks running (`collective_shapes`: the other ranks sit the
+call out).
 
     matmul            FLOP/s by dtype over square shapes, operands read cold (the efficiency curve)
     memory_bw         bytes/s of elementwise and norm kernels (add, layer norm; the median)

@@ -219,18 +219,24 @@ class Device:
         return w.ops * self.op_s * self.slow
 
 
-def collective_time(tr: Traffic, hw: Hardware, bw: float, latency: float, ranks: int | None = None) -> float:
+def collective_time(tr: Traffic, hw: Hardware, links: dict, ranks: int) -> float:
     """One op: its time for that payload and group size on the calibrated curve measured with `ranks`
-    ranks running (the run's world), else the ring over the link (latency per hop, 2(n−1) hops for
-    all-reduce, n−1 for gather/scatter, + wire bytes / bw)."""
+    ranks running (the run's world), else the ring over its dimension's link, links[dim] = (bandwidth,
+    latency): latency per hop, 2(n−1) hops for all-reduce, n−1 for gather/scatter, + wire bytes / bw."""
     n = tr.group
     if n <= 1 or tr.kind == "recv":
         return 0.0
     measured = hw.calibration and hw.calibration.collective_seconds(tr.kind, n, tr.payload, ranks)
     if measured:
         return measured
+    bw, latency = links[tr.dim]
     hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(tr.kind, 1)
     return hops * latency + wire_bytes(tr.kind, tr.payload, n) / bw
+
+
+def collectives_time(items, hw: Hardware, links: dict, ranks: int) -> float:
+    """Seconds of every op of `items` (Traffic), one after another."""
+    return sum(collective_time(tr, hw, links, ranks) * tr.ops for tr in items)
 
 
 @dataclass(frozen=True)
@@ -302,11 +308,11 @@ def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_sta
     if impl == "table2":
         traffic = megatron_traffic(cfg, rank, traffic)
     per_mb = [tr for tr in traffic if tr.per == "micro-batch"]
-    tp = sum(collective_time(tr, hw, *links["tp"], cfg.world) * tr.ops for tr in per_mb if tr.dim == "tp")
-    pp = sum(collective_time(tr, hw, *links["pp"], cfg.world) * tr.ops for tr in per_mb if tr.dim == "pp")
+    tp = collectives_time([tr for tr in per_mb if tr.dim == "tp"], hw, links, cfg.world)
+    pp = collectives_time([tr for tr in per_mb if tr.dim == "pp"], hw, links, cfg.world)
     dev = Device(hw, cfg)
-    return StageTime(m * (f + b) + dev.compute(step_upkeep(cfg, rank, impl, traffic)), m * dev.overhead(Work((), 0, ops)),
-                     tp, pp, b, traffic)
+    upkeep = dev.compute(step_upkeep(cfg, rank, impl, traffic))
+    return StageTime(m * (f + b) + upkeep, m * dev.overhead(Work((), 0, ops)), tp, pp, b, traffic)
 
 
 def step_upkeep(cfg, rank, impl: str, traffic: tuple = ()) -> Work:
@@ -350,7 +356,8 @@ def backend_copy_bytes(cfg, params: float, traffic: tuple) -> float:
     chunks the gradients into each reduce-scatter's buffer and its output shard into the sharded
     gradient (2 + 2/n × the gradients); DeepSpeed: DEEPSPEED_COPY_BYTES."""
     dp = [tr for tr in traffic if tr.dim == "dp"]
-    gathers = sum(gather_copy_factor(tr.group) * tr.total for tr in dp if tr.kind == "all_gather" and tr.per == "micro-batch")
+    gathers = sum(gather_copy_factor(tr.group) * tr.total for tr in dp
+                  if tr.kind == "all_gather" and tr.per == "micro-batch")
     if cfg.backend == "deepspeed":
         if cfg.dp == 1 and not cfg.zero:
             return 0.0
@@ -398,10 +405,10 @@ def can_overlap(cfg, hw: Hardware) -> bool:
     return cfg.world < int(cal.machine.get("cores") or 1)
 
 
-def dp_exposed(cfg, st: StageTime, hw: Hardware, link: tuple) -> float:
+def dp_exposed(cfg, st: StageTime, hw: Hardware, links: dict) -> float:
     """Data-parallel time not hidden behind compute (see the module docstring)."""
     items = [tr for tr in st.traffic if tr.dim == "dp"]
-    gathers = sum(collective_time(tr, hw, *link, cfg.world) * tr.ops for tr in items if tr.per == "micro-batch")
+    gathers = collectives_time([tr for tr in items if tr.per == "micro-batch"], hw, links, cfg.world)
     ops_mb = sum(tr.ops for tr in items if tr.per == "micro-batch")
     exposed = 0.0
     if gathers:  # prefetched one layer ahead: the first is exposed, each other one beyond its layer's compute
@@ -410,12 +417,12 @@ def dp_exposed(cfg, st: StageTime, hw: Hardware, link: tuple) -> float:
     if gathers and not can_overlap(cfg, hw):
         exposed = gathers
     step = [tr for tr in items if tr.per == "step"]
-    total = sum(collective_time(tr, hw, *link, cfg.world) * tr.ops for tr in step)
+    total = collectives_time(step, hw, links, cfg.world)
     if not total:
         return exposed
     if cfg.backend == "deepspeed" or not can_overlap(cfg, hw):  # DeepSpeed reduces at the accumulation
         return exposed + total  # boundary, after backward
-    last = max(collective_time(tr, hw, *link, cfg.world) for tr in step)  # the last bucket waits for the last layer
+    last = max(collective_time(tr, hw, links, cfg.world) for tr in step)  # the last bucket waits for the last layer
     return exposed + max(last, total - st.last_backward)
 
 
@@ -449,14 +456,14 @@ def step_terms(plan, hw: Hardware, links: dict, impl: str = "table2", mixed_stat
     for stage in plan.ranks:
         st = stage_time(plan, stage, hw, links, impl, mixed_state)
         per_step = [tr for tr in st.traffic if tr.per == "step" and tr.dim in ("tp", "pp")]
-        tp_step = sum(collective_time(tr, hw, *links[tr.dim], cfg.world) * tr.ops for tr in per_step if tr.dim == "tp")
-        pp_step = sum(collective_time(tr, hw, *links[tr.dim], cfg.world) * tr.ops for tr in per_step if tr.dim == "pp")
+        tp_step = collectives_time([tr for tr in per_step if tr.dim == "tp"], hw, links, cfg.world)
+        pp_step = collectives_time([tr for tr in per_step if tr.dim == "pp"], hw, links, cfg.world)
         terms = {"compute_s": st.compute, "overhead_s": st.overhead, "comm_exposed_tp_s": st.tp + tp_step,
-                 "comm_exposed_pp_s": st.pp + pp_step, "comm_exposed_dp_s": dp_exposed(cfg, st, hw, links["dp"]),
+                 "comm_exposed_pp_s": st.pp + pp_step, "comm_exposed_dp_s": dp_exposed(cfg, st, hw, links),
                  "bubble_s": st.busy * plan.step.bubble_over_ideal, "optimizer_s": optimizer_time(plan, stage, hw)}
         total = sum(terms.values())
         if best is None or total > best[0]:
-            dp_all = sum(collective_time(tr, hw, *links["dp"], cfg.world) * tr.ops for tr in st.traffic if tr.dim == "dp")
+            dp_all = collectives_time([tr for tr in st.traffic if tr.dim == "dp"], hw, links, cfg.world)
             best = (total, terms, stage, dp_all)
     total, terms, stage, dp_all = best
     return {**terms, "step_time_s": total, "time_stage": stage, "comm_dp_total_s": dp_all}
