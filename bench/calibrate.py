@@ -323,6 +323,12 @@ def measure_collectives(group: int, ranks: int, sizes: tuple, window_s: float) -
         dist.destroy_process_group()
 
 
+def progress_steps(world: int) -> int:
+    """Ticks `calibrate` gives its progress callback: start-up, the single-rank figures, the two
+    slowdowns, one per collective shape."""
+    return 4 + len(collective_shapes(world))
+
+
 def collective_shapes(world: int) -> list[tuple[int, int]]:
     """(group size, ranks running) pairs to measure: groups of 2, 4, 8 and `world` among 2, 4, 8 and
     `world` ranks running, wherever the groups tile the running ranks."""
@@ -404,8 +410,6 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
     """Measure this machine on `world` ranks; returns the calibrated profile (not yet written)."""
     from bench.spawn import RankPool
     sizes = plan_sizes(quick, _cuda_available())
-    shapes = collective_shapes(world)
-    steps = 3 + len(shapes)
     tick = progress or (lambda what: None)
     with RankPool(world) as pool:
         tick(f"starting {world} ranks")
@@ -416,14 +420,14 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
         contention = slowdowns(pool, world, memory_seconds, sizes["window_s"])
         tick(f"1..{world} ranks sharing the memory")
         colls = {op: {} for op in OPS}
-        for g, ranks in shapes:
+        for g, ranks in collective_shapes(world):
             got = pool.call(measure_collectives, g, ranks, sizes["comm_bytes"], sizes["window_s"])
             times = {op: [[b, max(r[op][i][1] for r in got if r)] for i, (b, _) in enumerate(got[0][op])] for op in OPS}
             for op in OPS:
                 colls[op].setdefault(g, {})[ranks] = collective_curve(op, times[op])
             tick(f"collectives in groups of {g}, {ranks} ranks running")
     info = machine()
-    info.update(quick=quick, world=world, steps=steps)
+    info.update(quick=quick, world=world, steps=progress_steps(world))
     cal = Calibration(machine=info, collectives=colls, oversubscription=slow, memory_contention=contention,
                       composition=1.0, **compute)
     return profile_from(replace(cal, composition=composition(cal)), name)

@@ -72,6 +72,11 @@ class GPTConfig:
         return self.heads // self.num_kv_heads
 
     @property
+    def fc1_out(self) -> int:
+        """Output width of the MLP's first linear: SwiGLU's gate and up side by side, else the FFN width."""
+        return 2 * self.ffn_hidden if self.activation == "swiglu" else self.ffn_hidden
+
+    @property
     def qkv_out(self) -> int:
         """Output width of the fused qkv projection: all query heads plus one K and one V per KV head."""
         return (self.heads + 2 * self.num_kv_heads) * self.head_dim
@@ -141,16 +146,14 @@ def get_preset(name: str) -> GPTConfig:
 
 def block_params(cfg: GPTConfig) -> int:
     """Parameters of one transformer block."""
-    up = 2 * cfg.ffn_hidden if cfg.activation == "swiglu" else cfg.ffn_hidden
-    biases = (cfg.qkv_out + cfg.hidden + up + cfg.hidden) if cfg.bias else 0
+    biases = (cfg.qkv_out + cfg.hidden + cfg.fc1_out + cfg.hidden) if cfg.bias else 0
     return block_matmul_weights(cfg) + biases + 2 * _norm_params(cfg)
 
 
 def block_matmul_weights(cfg: GPTConfig) -> int:
     """Elements of one block's four matmul weights: qkv, attention output, fc1 (with SwiGLU's gate), fc2."""
-    h, f = cfg.hidden, cfg.ffn_hidden
-    up = 2 * f if cfg.activation == "swiglu" else f
-    return h * cfg.qkv_out + h * h + h * up + f * h
+    h = cfg.hidden
+    return h * cfg.qkv_out + h * h + h * cfg.fc1_out + cfg.ffn_hidden * h
 
 
 def _norm_params(cfg: GPTConfig) -> int:
@@ -174,9 +177,7 @@ def count_params(cfg: GPTConfig) -> int:
 
 def matmul_params(cfg: GPTConfig) -> int:
     """Weights that take part in a matmul per token: block linears plus the LM head."""
-    h, f = cfg.hidden, cfg.ffn_hidden
-    up = 2 * f if cfg.activation == "swiglu" else f
-    return cfg.layers * (h * cfg.qkv_out + h * h + h * up + f * h) + cfg.vocab * h
+    return cfg.layers * block_matmul_weights(cfg) + cfg.vocab * cfg.hidden
 
 
 def flops_per_token(cfg: GPTConfig, seq: int | None = None) -> int:

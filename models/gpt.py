@@ -76,8 +76,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, device=None):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
-        up = 2 * cfg.ffn_hidden if self.swiglu else cfg.ffn_hidden
-        self.fc1 = nn.Linear(cfg.hidden, up, bias=cfg.bias, device=device)
+        self.fc1 = nn.Linear(cfg.hidden, cfg.fc1_out, bias=cfg.bias, device=device)
         self.fc2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=cfg.bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

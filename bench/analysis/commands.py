@@ -263,10 +263,9 @@ def calibrate(world, out, name, quick):
 
     from bench.analysis.hardware import format_bytes
     from bench.calibrate import calibrate as measure
-    from bench.calibrate import collective_shapes, write_profile
-    groups = len(collective_shapes(world))
+    from bench.calibrate import progress_steps, write_profile
     with Progress(TextColumn("{task.description:<40}"), BarColumn(), TimeElapsedColumn()) as bar:
-        task = bar.add_task("starting ranks", total=2 + world + groups)
+        task = bar.add_task("starting ranks", total=progress_steps(world))
 
         def tick(what: str) -> None:
             bar.update(task, advance=1, description=what)

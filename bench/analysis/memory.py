@@ -223,8 +223,7 @@ def loss_backward_bytes(m: GPTConfig, tokens: int, tp: int) -> float:
 def layer_backward_bytes(m: GPTConfig, tokens: int, tp: int, e: int) -> float:
     """A block's backward working set beside its saved activations, at its largest (the MLP): the
     gradient of the fc2 input and of the fc1 output (twice the width for swiglu's gate and up)."""
-    up = 2 * m.ffn_hidden if m.activation == "swiglu" else m.ffn_hidden
-    return tokens * e * (m.ffn_hidden + up) / tp
+    return tokens * e * (m.ffn_hidden + m.fc1_out) / tp
 
 
 # --- per rank ------------------------------------------------------------------------------------

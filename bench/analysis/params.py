@@ -35,12 +35,11 @@ def _linear(name: str, out_f: int, in_f: int, bias: bool, split_out: bool, split
 def block(m: GPTConfig, i: int, tp: int = 1, vocab_parallel_tp: bool = True) -> list[Param]:
     """One transformer block (Megatron split: qkv, fc1 column-parallel; proj, fc2 row-parallel)."""
     h, f, p = m.hidden, m.ffn_hidden, f"blocks.{i}"
-    up = 2 * f if m.activation == "swiglu" else f
     return (_norm(m, f"{p}.ln1")
             + _linear(f"{p}.attn.qkv", m.qkv_out, h, m.bias, True, False, tp, True)
             + _linear(f"{p}.attn.proj", h, h, m.bias, False, True, tp, False)
             + _norm(m, f"{p}.ln2")
-            + _linear(f"{p}.mlp.fc1", up, h, m.bias, True, False, tp, True)
+            + _linear(f"{p}.mlp.fc1", m.fc1_out, h, m.bias, True, False, tp, True)
             + _linear(f"{p}.mlp.fc2", h, f, m.bias, False, True, tp, False))
 
 

@@ -126,9 +126,8 @@ def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
     mc, t = cfg.model_config, cfg.tp
     b, s, h, f = cfg.micro_batch, cfg.seq, mc.hidden, mc.ffn_hidden
     bs, hd, heads = b * s, mc.head_dim, mc.heads // t
-    up = 2 * f if mc.activation == "swiglu" else f
     e = precision(cfg.dtype).act
-    gemms = (Matmul(bs, h, mc.qkv_out // t), Matmul(bs, h // t, h), Matmul(bs, h, up // t), Matmul(bs, f // t, h))
+    gemms = (Matmul(bs, h, mc.qkv_out // t), Matmul(bs, h // t, h), Matmul(bs, h, mc.fc1_out // t), Matmul(bs, f // t, h))
     x = bs * h / (t if cfg.sequence_parallel else 1)  # norms and residual adds run on sequence shards
     ffn = bs * f / t
     if impl == "table2":  # Megatron-LM: scores materialised (QKᵀ, then AV), fused kernels, dropout masks of 1 byte
@@ -339,24 +338,24 @@ def step_upkeep(cfg, rank, impl: str, traffic: tuple = ()) -> Work:
 # averages them, and at ZeRO ≥ 1 copies the rank's slice out to its fp32 partition; the step's work is
 # on the partition: the gradient norm's read, the updated partition copied into the gathered
 # parameters. ZeRO-0 copies the averaged bucket back to the gradients. ZeRO-3 also copies around each
-# parameter all-gather, as FSDP2 does (`gather_copy_factor`).
+# parameter all-gather, as FSDP2 does (`shard_copy_factor`).
 DEEPSPEED_COPY_BYTES = {0: (24, 0, 0), 1: (26, 12, 36), 2: (26, 12, 36), 3: (24, 8, 52)}
 
 
-def gather_copy_factor(n: int) -> float:
-    """Bytes copied per byte all-gathered over n ranks: the local shard copied into the gather buffer
-    (read and write 1/n) and the gathered buffer out to the parameters (read and write 1)."""
+def shard_copy_factor(n: int) -> float:
+    """Bytes copied per byte all-gathered or reduce-scattered over n ranks: the local shard copied in or
+    out (read and write 1/n), and the whole buffer copied out to the parameters or in from the
+    gradients (read and write 1)."""
     return 2 + 2 / n
 
 
 def backend_copy_bytes(cfg, params: float, traffic: tuple) -> float:
     """Bytes the backend reads and writes per step copying around its data-parallel collectives (a
-    GPU's memory bandwidth, a CPU core's time): DDP divides each gradient into its bucket and copies the
-    reduced bucket back (4 × the bucket); FSDP2 copies around each all-gather (`gather_copy_factor`), and
-    chunks the gradients into each reduce-scatter's buffer and its output shard into the sharded
-    gradient (2 + 2/n × the gradients); DeepSpeed: DEEPSPEED_COPY_BYTES."""
+    GPU's memory bandwidth, a CPU core's time): FSDP2 around each parameter all-gather and gradient
+    reduce-scatter (`shard_copy_factor`); DDP, and FSDP2's replicate, divide each gradient into its
+    bucket and copy the reduced bucket back (4 × the bucket); DeepSpeed: DEEPSPEED_COPY_BYTES."""
     dp = [tr for tr in traffic if tr.dim == "dp"]
-    gathers = sum(gather_copy_factor(tr.group) * tr.total for tr in dp
+    gathers = sum(shard_copy_factor(tr.group) * tr.total for tr in dp
                   if tr.kind == "all_gather" and tr.per == "micro-batch")
     if cfg.backend == "deepspeed":
         if cfg.dp == 1 and not cfg.zero:
@@ -365,11 +364,9 @@ def backend_copy_bytes(cfg, params: float, traffic: tuple) -> float:
         rounds = cfg.micro_batches if cfg.zero >= 2 else 1
         per_param = (a + b / cfg.dp) * rounds * grad_bytes(cfg) / 4 + c / cfg.dp
         return per_param * params + (gathers if cfg.zero == 3 else 0.0)
-    if cfg.backend == "fsdp":
-        reduce = {"reduce_scatter": lambda n: 2 + 2 / n, "all_reduce": lambda n: 4}  # all-reduce: replicate, as DDP
-        return gathers + sum(reduce[tr.kind](tr.group) * tr.total for tr in dp if tr.kind in reduce
-                             and tr.what == "gradients")
-    return sum(4 * tr.total for tr in dp if tr.kind == "all_reduce" and tr.what == "gradients")
+    scatters = sum(shard_copy_factor(tr.group) * tr.total for tr in dp if tr.kind == "reduce_scatter")
+    buckets = sum(4 * tr.total for tr in dp if tr.kind == "all_reduce" and tr.what == "gradients")
+    return gathers + scatters + buckets  # HSDP's all-reduce of its reduced shards runs in place
 
 
 def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:

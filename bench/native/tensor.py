@@ -96,12 +96,11 @@ def apply_tensor_parallel(model: nn.Module, run_cfg, group, rank: int, tp: int) 
     cfg, sp = run_cfg.model_config, run_cfg.sequence_parallel
     device = next(model.parameters()).device
     h, f = cfg.hidden, cfg.ffn_hidden
-    up = 2 * f if cfg.activation == "swiglu" else f
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
         attn.qkv = ColumnParallelLinear(h, cfg.qkv_out // tp, bias=cfg.bias, device=device)
         attn.proj = RowParallelLinear(h // tp, h, cfg.bias, device)
-        mlp.fc1 = ColumnParallelLinear(h, up // tp, bias=cfg.bias, device=device)
+        mlp.fc1 = ColumnParallelLinear(h, cfg.fc1_out // tp, bias=cfg.bias, device=device)
         mlp.fc2 = RowParallelLinear(f // tp, h, cfg.bias, device)
         _install_region(attn, group, sp, attn.proj)
         _install_region(mlp, group, sp, mlp.fc2)
