@@ -50,44 +50,33 @@ def plan_sizes(quick: bool, cuda: bool = False) -> dict:
 
 
 # --- timing ---------------------------------------------------------------------------------------
-def _sync(device) -> None:
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def per_call(fn, device, window_s: float, reps: int | None = None) -> float:
     """Median seconds of one call over three timed batches filling `window_s` (CUDA: events). Collectives
     pass `reps`: every rank must make the same number of calls."""
-    import torch
+    from bench import device as bench_device
     fn()
-    _sync(device)
+    bench_device.synchronize(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    bench_device.synchronize(device)
     one = max(time.perf_counter() - t0, 1e-7)
     reps = reps or max(1, int(window_s / 3 / one))
     samples = []
     for _ in range(3):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3 / reps)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            samples.append((time.perf_counter() - t0) / reps)
+        start, end = bench_device.event(device), bench_device.event(device)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.seconds_until(end) / reps)
     return statistics.median(samples)
 
 
 def _device():
-    from bench.distributed import resolve_device
-    return resolve_device("auto")
+    """This rank's device, made current (a rank above 0 would otherwise time GPU 0's idle stream)."""
+    from bench.distributed import claim_device
+    return claim_device("auto")
 
 
 # --- compute (rank 0) -----------------------------------------------------------------------------
@@ -186,9 +175,9 @@ def optimizer_cost(window_s: float, small: int = 64) -> tuple[float, float]:
 def last_level_cache_bytes(device) -> int:
     """The largest cache in front of the device's memory: a GPU's L2, a CPU's last level (sysfs; 32 MiB
     where it cannot be read)."""
-    import torch
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).L2_cache_size
+    from bench import device as bench_device
+    if bench_device.for_device(device).is_accelerator:
+        return bench_device.for_device(device).l2_bytes(device)
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = f.read_text().strip().upper()
@@ -295,9 +284,9 @@ def measure_collectives(group: int, ranks: int, sizes: tuple, window_s: float) -
     rank = int(os.environ["RANK"])
     import torch
     import torch.distributed as dist
-    from bench.distributed import init_from_env
-    dev = _device()
-    world = init_from_env(dev, timeout_s=120)[1]
+    from bench.distributed import setup_rank
+    dev = setup_rank("auto", timeout_s=120)
+    world = dist.get_world_size()
     try:
         blocks = [list(range(s, s + group)) for s in range(0, ranks - group + 1, group)]
         made = [dist.new_group(b) for b in blocks]  # collective: every rank makes every group
@@ -345,13 +334,15 @@ class _AfterCompute:
 
     def __init__(self, dev, window_s: float):
         import torch
+        from bench import device as bench_device
         self.dev, self.window_s = dev, window_s
-        if dev.type == "cpu":
+        self.on_host = not bench_device.for_device(dev).is_accelerator
+        if self.on_host:
             a = torch.randn(256, 256, device=dev)
             self.compute = lambda: [a @ a for _ in range(8)]
 
     def seconds(self, op, reps: int) -> float:
-        if self.dev.type != "cpu":
+        if not self.on_host:
             return per_call(op, self.dev, self.window_s, reps)
         self.compute()
         op()  # warm: the group's first call sets up its connections
@@ -434,8 +425,8 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
 
 
 def _cuda_available() -> bool:
-    import torch
-    return torch.cuda.is_available()
+    from bench import device as bench_device
+    return bench_device.accelerator() is not None
 
 
 def profile_from(cal: Calibration, name: str | None) -> Hardware:
@@ -444,7 +435,9 @@ def profile_from(cal: Calibration, name: str | None) -> Hardware:
     from bench.analysis.hardware import profile_for_device
     device = cal.machine["device"]
     base = profile_for_device(device) if device != "cpu" else None
-    if base is not None:
+    if base is None and device != "cpu":  # a GPU measured with the CPU's rules would be nonsense
+        raise ValueError(f"calibrate: {device} has no datasheet entry (bench/analysis/hardware.py PROFILES): "
+                         "add its peak FLOP/s, memory and links, with `match` naming it")
         return replace(base, name=name or base.name, calibration=cal,
                        source=f"calibrated on {cal.machine['hostname']} {cal.machine['measured_at']}")
     cpu = PROFILES["cpu"]

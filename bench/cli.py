@@ -27,7 +27,7 @@ def run(launcher, as_json, trace_dir, **options):
     cfg = config_from_options(options)
     from bench.sweep.local import DebugLauncher, run_debug, run_local
     from bench.sweep.runner import local_size_reason
-    reason = local_size_reason(cfg.world) if launcher == "local" else DebugLauncher().unsupported(cfg)
+    reason = local_size_reason(cfg.world, cfg.device) if launcher == "local" else DebugLauncher().unsupported(cfg)
     if reason:  # before anything starts
         raise ConfigError(reason)
     if cfg.profile:

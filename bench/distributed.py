@@ -1,7 +1,7 @@
 """torch.distributed set-up: the backend choice, initialisation from the environment, ProcessGroups.
 
-Nothing else in the suite calls `init_process_group` or `new_group`; everything that needs a group
-receives the `ProcessGroups` built here.
+A rank starts with `setup_rank` (its device, then its default group); nothing else in the suite calls
+`init_process_group`. Everything that needs a layout's groups receives the `ProcessGroups` built here.
 """
 from __future__ import annotations
 
@@ -14,20 +14,60 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench import device as bench_device
 from bench.layout import DIMS, Layout
 
 
+class DeviceSetupError(ValueError):
+    """A rank's device cannot be chosen from its environment (one line: the variable and the fix)."""
+
+
 def resolve_device(requested: str = "auto") -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device cuda was requested but no CUDA device is available; use --device cpu")
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1))
-    return torch.device("cpu")
+    """This rank's device: the CPU, or the accelerator's device LOCAL_RANK (DeepSpeed's own rule: its
+    engine calls set_device(LOCAL_RANK), so both always name one GPU). Refuses, in one line, a CUDA
+    request with no GPU visible, more ranks per node than GPUs, and a LOCAL_RANK beyond the visible
+    devices, which would otherwise put two ranks on one GPU (NCCL: "Duplicate GPU detected")."""
+    accel = bench_device.accelerator()
+    if requested == "cpu" or (requested == "auto" and accel is None):
+        return torch.device("cpu")
+    if accel is None:
+        raise DeviceSetupError(f"--device {requested}: no CUDA device is visible here "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                               "use --device cpu, or run on a GPU node")
+    count, local = accel.device_count(), int(os.environ.get("LOCAL_RANK", 0))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", local + 1))
+    if per_node > count:
+        raise DeviceSetupError(f"LOCAL_WORLD_SIZE={per_node} ranks on this node but {count} GPU(s) visible: "
+                               "run at most one rank per GPU (Slurm profile tasks_per_node, or a smaller world)")
+    if local >= count:
+        raise DeviceSetupError(f"LOCAL_RANK={local} but this task sees {count} GPU(s) "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give "
+                               "every task all of its node's GPUs (no --gpus-per-task or --gpu-bind)")
+    return accel.device(local)
+
+
+def claim_device(requested: str = "auto") -> torch.device:
+    """This rank's device, chosen from its environment and made current: the Slurm task's RANK,
+    LOCAL_RANK, … exported first (the device index is the local rank), then `resolve_device`, then
+    set_device, before any stream, event or group touches a device (else they land on GPU 0)."""
+    env_from_slurm()
+    device = resolve_device(requested)
+    bench_device.for_device(device).set_device(device)
+    return device
+
+
+def setup_rank(requested: str = "auto", timeout_s: float = 600.0) -> torch.device:
+    """Everything a rank does before its first collective, in the order NCCL needs: `claim_device`,
+    then the default group initialised and bound to that device (`device_id`: every group made after
+    it is bound too). Returns the device."""
+    device = claim_device(requested)
+    init_from_env(device, timeout_s)
+    return device
 
 
 def comm_backend(device: torch.device) -> str:
     """nccl for CUDA tensors, gloo for CPU tensors: decided here once."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    return bench_device.comm_backend(device)
 
 
 def env_from_slurm() -> None:
@@ -43,7 +83,7 @@ def env_from_slurm() -> None:
     env = TorchDistributedEnvironment()  # reads SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST, …
     env.master_addr = os.environ.get("MASTER_ADDR", env.master_addr)
     env.master_port = int(os.environ.get("MASTER_PORT") or job_port(JobEnvironment().job_id))
-    env.export(set_cuda_visible_devices=False, overwrite=True)  # devices: `resolve_device` picks by LOCAL_RANK
+    env.export(set_cuda_visible_devices=False, overwrite=True)  # `resolve_device` picks by LOCAL_RANK
 
 
 def job_port(job_id: str) -> int:
@@ -58,7 +98,8 @@ def job_port(job_id: str) -> int:
 
 
 def init_from_env(device: torch.device, timeout_s: float = 600.0) -> tuple[int, int]:
-    """Initialise the default group from RANK/WORLD_SIZE/MASTER_* (our spawner, torchrun or Slurm)."""
+    """Initialise the default group from RANK/WORLD_SIZE/MASTER_* (our spawner, torchrun or Slurm) on
+    `device`, already chosen and made current (`setup_rank` does all three)."""
     env_from_slurm()
     if not dist.is_initialized():
         dist.init_process_group(comm_backend(device), timeout=timedelta(seconds=timeout_s),

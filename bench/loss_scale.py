@@ -21,9 +21,11 @@ import torch.distributed as dist
 
 class LossScaler:
     def __init__(self, group=None, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, device: torch.device | str = "cpu"):
         self.group = group
         """Ranks that must agree on skipping (None: this rank's gradients are every rank's)."""
+        self.device = torch.device(device)
+        """The rank's device, where the verdict lives."""
         self.scale = init_scale
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self.good_steps = 0
@@ -38,7 +40,7 @@ class LossScaler:
         """Unscale the gradients `optimizer` will apply, then step it unless one (on any rank of the group)
         is inf/NaN; update the scale. True when the optimizer stepped."""
         grads = optimizer_grads(optimizer)
-        found_inf = unscale_(grads, 1.0 / self.scale)
+        found_inf = unscale_(grads, 1.0 / self.scale, self.device)
         if self.group is not None:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
         ok = not bool(found_inf.item())  # the one host sync: whether to step is a host decision
@@ -71,9 +73,9 @@ def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
-def unscale_(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
-    """Multiply every gradient by `inv_scale` in place; a 1-element float tensor, 1 when any is inf/NaN."""
-    device = grads[0].device if grads else torch.device("cpu")
+def unscale_(grads: list[torch.Tensor], inv_scale: float, device: torch.device) -> torch.Tensor:
+    """Multiply every gradient by `inv_scale` in place; a 1-element float tensor on `device` (the rank's:
+    the vote's all-reduce needs it there, even on a rank without gradients), 1 when any is inf/NaN."""
     found_inf = torch.zeros(1, device=device)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
@@ -90,7 +92,8 @@ def loss_scaler(ctx, ranks_differ: bool) -> LossScaler | None:
     from bench.capabilities import NEEDS_LOSS_SCALER
     if ctx.cfg.dtype not in NEEDS_LOSS_SCALER:
         return None
-    return LossScaler(group=dist.group.WORLD if ranks_differ and ctx.groups.layout.world_size > 1 else None)
+    return LossScaler(group=dist.group.WORLD if ranks_differ and ctx.groups.layout.world_size > 1 else None,
+                      device=ctx.device)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scaler: LossScaler | None) -> None:

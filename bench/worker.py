@@ -22,7 +22,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from bench.backends.registry import get_backend
 from bench.config import RunConfig, parse_fault
-from bench.distributed import ProcessGroups, init_from_env, resolve_device, shutdown
+from bench import device as bench_device
+from bench.distributed import ProcessGroups, setup_rank, shutdown
 from bench.layout import Layout
 from bench.metrics.comm import CommCounter
 from bench.metrics.flops import peak_flops
@@ -55,11 +56,8 @@ def run(cfg: RunConfig, trace_dir: str | None = None) -> dict | None:
     """Run `cfg` on this rank (torch.distributed env already set). Returns the row on rank 0.
     `trace_dir`: where a profiled run (cfg.profile) writes its traces (bench.metrics.profile)."""
     keep_freed_memory()  # a Slurm task's rank starts here; a RankPool's already did (bench.spawn)
-    device = resolve_device(cfg.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # events, streams and allocator statistics default to it
     torch.manual_seed(cfg.seed)
-    init_from_env(device, cfg.timeout_s)
+    device = setup_rank(cfg.device, cfg.timeout_s)
     try:
         groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
         measured = _measure(cfg, RunContext(cfg, groups, device), trace_dir if cfg.profile else None)
@@ -201,7 +199,7 @@ def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer, trace_dir: str | 
                 "host_syncs": syncs.total, "cuda_syncs": syncs.cuda_syncs,
                 "state": state, "comm": counter.totals(), "extras": extras,
                 "peak_flops": peak_flops(ctx.device, cfg.dtype) if ctx.groups.rank == 0 else None,
-                "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
+                "device_name": bench_device.device_name(ctx.device)}
     finally:
         trainer.close()
 
@@ -214,8 +212,7 @@ def _warm_up(train, trainer, cfg: RunConfig, device: torch.device) -> tuple[list
         batch = trainer.batch(step)
         t0 = time.perf_counter()
         losses.append(_value(train(batch)))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        bench_device.synchronize(device)
         seconds.append(time.perf_counter() - t0)
     return losses, seconds
 

@@ -19,7 +19,7 @@ def _probe(cfg_dict: dict, rounds: int) -> dict | None:
     import torch
     import torch.distributed as dist
     from bench.config import RunConfig
-    from bench.distributed import ProcessGroups, init_from_env, shutdown
+    from bench.distributed import ProcessGroups, setup_rank, shutdown
     from bench.layout import Layout
     from bench.metrics.comm import CommCounter
     from bench.metrics.sync import HostSyncCounter
@@ -27,9 +27,10 @@ def _probe(cfg_dict: dict, rounds: int) -> dict | None:
     from bench.native.engine import NativeTrainer
     from bench.training import RunContext
     cfg = RunConfig.from_dict(cfg_dict)
-    rank, world = init_from_env(torch.device("cpu"))
+    device = setup_rank("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
     groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
-    trainer = NativeTrainer(RunContext(cfg, groups, torch.device("cpu")))
+    trainer = NativeTrainer(RunContext(cfg, groups, device))
     batch = trainer.batch(0)  # built once: the worker builds each step's batch outside the timer too
     for _ in range(2):
         trainer.train(batch)

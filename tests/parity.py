@@ -95,8 +95,8 @@ def _sgd_step(cfg, trainer, groups, lr: float) -> dict | None:
 @contextmanager
 def _default_group():
     """The default group for one pool call (its port is the call's): every config builds its groups on it."""
-    from bench.distributed import init_from_env, shutdown
-    init_from_env(torch.device("cpu"))
+    from bench.distributed import setup_rank, shutdown
+    setup_rank("cpu")
     try:
         yield
     finally:

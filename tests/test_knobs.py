@@ -269,8 +269,9 @@ def test_scaler_skips_an_overflowing_step_and_backs_off_then_grows():
 
 def _vote_on_rank(plant_on: int) -> tuple[bool, float, int]:
     import torch.distributed as dist
-    from bench.distributed import init_from_env, shutdown
-    rank, _ = init_from_env(torch.device("cpu"))
+    from bench.distributed import setup_rank, shutdown
+    setup_rank("cpu")
+    rank = dist.get_rank()
     try:
         scaler = LossScaler(group=dist.group.WORLD, init_scale=8.0)
         model = _model_and_grads(scaler, step=rank)
@@ -293,10 +294,11 @@ def _train_with_scaler_on_rank(cfg_dict: dict, init_scale: float, backoff: float
     refused on CPU): the trainer's own loss scaling, unscaling, vote and skip."""
     import torch.distributed as dist
     from bench.backends.registry import get_backend
-    from bench.distributed import ProcessGroups, init_from_env, shutdown
+    from bench.distributed import ProcessGroups, setup_rank, shutdown
     from bench.layout import Layout
     from bench.training import RunContext
-    rank, _ = init_from_env(torch.device("cpu"))
+    setup_rank("cpu")
+    rank = dist.get_rank()
     try:
         cfg = RunConfig.from_dict(cfg_dict)
         groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))

@@ -49,8 +49,14 @@ def build(cfg, ctx: RunContext) -> Trainer:
 
 
 def _import_deepspeed(ctx: RunContext):
-    os.environ["DS_ACCELERATOR"] = "cuda" if ctx.device.type == "cuda" else "cpu"  # read at first import
+    wanted = "cuda" if ctx.device.type == "cuda" else "cpu"
+    os.environ["DS_ACCELERATOR"] = wanted  # read at first import only
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != wanted:  # an earlier import in this process chose another
+        raise RuntimeError(f"DeepSpeed was first imported in this process with accelerator "
+                           f"{get_accelerator().device_name()!r}, this run needs {wanted!r}: run it in a fresh "
+                           "process (the local launcher's ranks run one device type each)")
     # TorchBackend JIT-compiles a shared-memory op (gcc, minutes) used only for inference all-reduce.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     _release_global_state()  # a previous run in this process may have died before close()

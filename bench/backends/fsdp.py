@@ -106,7 +106,8 @@ def device_mesh(layout: Layout, device: torch.device, hybrid: tuple[int, int] | 
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = torch.tensor([[[layout.rank(dp=d, pp=p, tp=t) for t in range(layout.tp)]
-                           for d in range(layout.dp)] for p in range(layout.pp)], dtype=torch.int)
+                           for d in range(layout.dp)] for p in range(layout.pp)], dtype=torch.int,
+                         device="cpu")  # the mesh's rank table is host data, whatever the device
     names = ("pp", "dp", "tp")
     if hybrid is not None:
         rep, shard = hybrid

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from bench import device as bench_device
 from bench.analysis.hardware import dtype_key, profile_for_device
 
 
@@ -21,8 +22,8 @@ def cpu_peak_flops(n: int = 256, seconds: float = 0.3) -> float:
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """(peak FLOP/s per device, where it came from)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
+    if bench_device.for_device(device).is_accelerator:
+        name = bench_device.device_name(device)
         hw = profile_for_device(name)
         if hw:
             return hw.peak_flops[dtype_key(dtype)], f"table:{hw.name}"

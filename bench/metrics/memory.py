@@ -20,6 +20,8 @@ import contextlib
 
 import torch
 
+from bench import device as bench_device
+
 
 class PeakMemory:
     """Context manager: `.peak_bytes` is the memory the steps it watches add at their peak; on CUDA also
@@ -35,14 +37,15 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device, self.peak_bytes = device, 0
         self.reserved_peak_bytes = self.alloc_retries = None
-        self.free = device.type == "cuda"
+        self._accel = bench_device.for_device(device)
+        self.free = self._accel.tracks_memory
 
     def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            self._retries = _alloc_retries(self.device)
+        if self.free:
+            self._accel.synchronize(self.device)
+            self._accel.reset_peak(self.device)
+            self._base = self._accel.allocated(self.device)
+            self._retries = self._accel.alloc_retries(self.device)
         else:
             from torch.profiler import ProfilerActivity, profile
             self._recorder = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -54,11 +57,11 @@ class PeakMemory:
         return torch.profiler.record_function(self.MARK) if not self.free else contextlib.nullcontext()
 
     def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-            self.reserved_peak_bytes = torch.cuda.max_memory_reserved(self.device)
-            self.alloc_retries = _alloc_retries(self.device) - self._retries
+        if self.free:
+            self._accel.synchronize(self.device)
+            self.peak_bytes = self._accel.peak_allocated(self.device) - self._base
+            self.reserved_peak_bytes = self._accel.peak_reserved(self.device)
+            self.alloc_retries = self._accel.alloc_retries(self.device) - self._retries
         else:
             self._recorder.__exit__(None, None, None)
             self.peak_bytes = _peak_of_records(self._recorder.profiler.kineto_results.events(), self.MARK)
@@ -80,10 +83,6 @@ def _peak_of_records(events, mark: str) -> int:
         if start is not None:
             peak = max(peak, live)
     return 0 if start is None else peak - start
-
-
-def _alloc_retries(device: torch.device) -> int:
-    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
 
 
 def state_bytes(state: dict[str, list]) -> dict[str, int]:

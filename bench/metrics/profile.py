@@ -4,12 +4,13 @@ The worker runs the profiled step after every measured one (the profiler slows w
 it never touches a timed step), and each rank writes into the run's trace folder:
 
     trace_rank<r>.json   Chrome / Perfetto trace (open in https://ui.perfetto.dev or chrome://tracing)
-    ops_rank<r>.md       the step's time on the rank's main thread: compute, communication (time spent
-                         inside collectives and P2P and in the ops that wait for them) and idle (the
-                         step's wall time outside any op: Python, the OS scheduler, and the wait for an
-                         asynchronous collective, since `work.wait()` is no op: a data-parallel gradient
-                         all-reduce that backward did not hide shows up here), then the top ops by self
-                         time
+    ops_rank<r>.md       where the step's time went, then the top ops by self time. CPU: the rank's main
+                         thread's compute, communication (time inside collectives and P2P and the ops
+                         that wait for them) and idle (the wall time outside any op: Python, the OS
+                         scheduler, and the wait for an asynchronous collective, since `work.wait()` is
+                         no op). An accelerator: its kernels, whose launches return at once, so CPU
+                         self-time says nothing: compute (any compute kernel running), exposed
+                         communication (only communication kernels running) and idle (no kernel)
 
 `check_writable` runs before anything starts, so a folder the ranks cannot write is refused in one line.
 """
@@ -50,10 +51,12 @@ class StepProfile:
         self.folder, self.rank, self.device = Path(folder), rank, device
 
     def __enter__(self):
-        import torch
         from torch.profiler import ProfilerActivity, profile
+
+        from bench import device as bench_device
+        self._on_device = bench_device.for_device(self.device).is_accelerator
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        self._sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        self._sync = lambda: bench_device.synchronize(self.device)
         self._prof = profile(activities=activities)
         self._prof.__enter__()
         self._sync()
@@ -70,6 +73,14 @@ class StepProfile:
             (self.folder / f"ops_rank{self.rank}.md").write_text(self.table(wall_s))
 
     def split(self, wall_s: float) -> dict[str, float]:
+        if self._on_device:
+            from torch.autograd import DeviceType
+            kernels = [(e.name, e.time_range.start, e.time_range.end) for e in self._prof.events()
+                       if e.device_type != DeviceType.CPU]
+            return kernel_split(kernels, wall_s)
+        return self.host_split(wall_s)
+
+    def host_split(self, wall_s: float) -> dict[str, float]:
         """Seconds of compute, communication and idle on the main thread (the one the step started on),
         from each op's self time. An op that directly wraps a collective (an autograd Function around
         an all-reduce, say) counts as communication: its self time is mostly the wait for it."""
@@ -93,3 +104,27 @@ class StepProfile:
         lines += [f"| `{a.key}` | {'comm' if is_comm(a.key) else 'compute'} | {a.count} | "
                   f"{a.self_cpu_time_total / 1e3:.1f} | {a.cpu_time_total / 1e3:.1f} |" for a in ops]
         return "\n".join(lines) + "\n"
+
+
+def kernel_split(kernels: list[tuple[str, float, float]], wall_s: float) -> dict[str, float]:
+    """Seconds of a device's step from its kernels, (name, start µs, end µs): compute (some compute
+    kernel running, whatever else is), exposed communication (only communication kernels running:
+    what overlap did not hide) and idle (no kernel: launch gaps, host syncs, waiting for a peer)."""
+    compute = _union([(a, b) for name, a, b in kernels if not is_comm(name)])
+    busy = _union([(a, b) for _, a, b in kernels])
+    compute_s, busy_s = _length(compute) / 1e6, _length(busy) / 1e6
+    return {"compute": compute_s, "communication": busy_s - compute_s, "idle": max(0.0, wall_s - busy_s)}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)

@@ -66,7 +66,17 @@ class HostSyncCounter(TorchDispatchMode):
             warnings.simplefilter("always")  # every occurrence, not once per source line
             self._debug_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
+            self._sync_warning = self._probe_sync_warning()
         return super().__enter__()
+
+    def _probe_sync_warning(self) -> tuple | None:
+        """The (category, message) torch warns with at a sync, read off one known sync (a scalar read)
+        rather than matched against its wording, which a torch release may change; None if it warned
+        nothing (then the count is unknown, not 0)."""
+        torch.zeros((), device=torch.cuda.current_device()).item()
+        probe = [(w.category, str(w.message)) for w in self._caught]
+        self._caught.clear()
+        return probe[0] if probe else None
 
     def __exit__(self, *exc):
         for hook in self._hooks:
@@ -74,7 +84,8 @@ class HostSyncCounter(TorchDispatchMode):
         if self._cuda:
             torch.cuda.set_sync_debug_mode(self._debug_mode)
             self._caught_warnings.__exit__(*exc)
-            self.cuda_syncs = sum("synchronizing" in str(w.message) for w in self._caught)
+            if self._sync_warning is not None:
+                self.cuda_syncs = sum((w.category, str(w.message)) == self._sync_warning for w in self._caught)
         return super().__exit__(*exc)
 
     def _optimizer_enter(self, *args) -> None:

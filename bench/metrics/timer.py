@@ -1,16 +1,17 @@
 """Step timer: seconds per step, and their median and p10/p90.
 
-CUDA: a pair of events around each step, recorded on the current stream. They time the device's
+An accelerator: a pair of events around each step, recorded on the device's current stream. They time the device's
 queue from the first to the last work of the step without stopping the host at either end, so the
 host may run ahead (build the next batch) as it would in training; the elapsed times are read once,
-when `times` is first asked for. CPU: the wall clock (nothing runs asynchronously there).
+when `times` is first asked for. CPU: the same events read the wall clock (nothing runs behind the host).
 """
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
+
+from bench import device as bench_device
 
 
 class StepTimer:
@@ -21,7 +22,7 @@ class StepTimer:
     def times(self) -> list[float]:
         if self._events:
             self._events[-1][1].synchronize()  # the last end event: every earlier one has completed too
-            self._times += [start.elapsed_time(end) / 1e3 for start, end in self._events]  # ms → s
+            self._times += [start.seconds_until(end) for start, end in self._events]
             self._events = []
         return self._times
 
@@ -30,20 +31,14 @@ class StepTimer:
         self._times, self._events = list(values), []
 
     def __enter__(self):
-        if self.device.type == "cuda":
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
+        self._start = bench_device.event(self.device)
+        self._start.record()
         return self
 
     def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events.append((self._start, end))
-        else:
-            self._times.append(time.perf_counter() - self._t0)
+        end = bench_device.event(self.device)
+        end.record()
+        self._events.append((self._start, end))
         return False
 
     def summary(self) -> dict[str, float]:

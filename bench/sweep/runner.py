@@ -92,7 +92,16 @@ def local_rank_limit() -> int:
     return int(env)
 
 
-def local_size_reason(world: int) -> str | None:
+def local_size_reason(world: int, device: str = "cpu") -> str | None:
+    """Why the local launcher cannot start `world` ranks on `device` here (None: it can). On a GPU, one
+    rank per GPU: two ranks on one GPU would fail NCCL's start-up ("Duplicate GPU detected")."""
+    from bench import device as bench_device
+    accel = bench_device.accelerator() if device != "cpu" else None
+    if device == "cuda" and accel is None:
+        return "device cuda: no CUDA device is visible here; use device cpu (or auto)"
+    if accel is not None and world > accel.device_count():
+        return (f"world size {world} (tp × pp × dp) is more ranks than the {accel.device_count()} GPU(s) here "
+                "(the local launcher runs one rank per GPU); use a smaller layout or the slurm launcher")
     limit = local_rank_limit()
     if world <= limit:
         return None
@@ -102,8 +111,8 @@ def local_size_reason(world: int) -> str | None:
 
 def _check_local_size(spec: SweepSpec, exp: Expansion) -> None:
     """Refuse the sweep before anything starts: such a run is a typo, not a result."""
-    world = max((c.world for c in exp.runs), default=0)
-    reason = local_size_reason(world)
+    world, device = max(((c.world, c.device) for c in exp.runs), default=(0, "cpu"))
+    reason = local_size_reason(world, device)
     if reason:
         key = "world_size" if spec.world_sizes and world in spec.world_sizes else "grid"
         raise SweepError(spec.source, key, reason)
