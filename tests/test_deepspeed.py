@@ -82,6 +82,12 @@ def test_config_is_generated_from_the_run_config():
     assert c["bf16"]["enabled"] and not c["fp16"]["enabled"] and c["gradient_clipping"] == 0.0
 
 
+def test_deepspeeds_device_syncing_throughput_timer_is_off():
+    """Read by DeepSpeed's own parser: its throughput timer synchronises the device at every forward."""
+    from deepspeed.utils.config import get_timers_config
+    assert get_timers_config(dsc.final_config(RunConfig(backend="deepspeed", dp=2))).enabled is False
+
+
 def test_ds_set_overrides_dotted_keys_with_yaml_scalars():
     cfg = RunConfig(backend="deepspeed", zero=3, dp=2, ds_set=ZERO3_STRICT + (
         "zero_optimization.overlap_comm=false", "zero_optimization.reduce_bucket_size=5e8",

@@ -95,6 +95,10 @@ def generate(cfg) -> dict:
         "zero_allow_untested_optimizer": False,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronises the whole device at every forward
+        # and every engine.step (engine.py `tput_timer`, utils/timer.py): on a GPU a host stall per
+        # micro-batch that no other backend pays and that neither sync counter sees
+        "timers": {"throughput": {"enabled": False}},
         "dump_state": False,
     }
 
