@@ -9,6 +9,10 @@ of them. The bubble meter times compute (busy) against the rest of the pipeline 
 for a neighbour: idle) on one extra step the worker meters, never on a timed one; the ideal bubble
 is (p − 1)/(m + p − 1), interleaved (p − 1)/(v·m + p − 1) (bench.schedule simulates it; a test with
 the fault `stage_sleep:MS` checks the meter against the simulation).
+
+Messages travel on one channel per directed edge and kind (`bench.native.pipeline_comm`), the same on
+every device, so the CPU tests run the code a GPU runs; tests/test_nccl_order.py replays this executor's
+call order through a model of NCCL's streams, which gloo cannot show.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from bench import device as bench_device
 from bench.config import parse_fault
 from bench.native.pipeline_comm import PipeComm
 from bench.native.tensor import vocab_parallel_cross_entropy
@@ -25,33 +30,24 @@ from bench.schedule import rank_chunks, schedule
 from bench.surgery import Stage
 
 
-def _grad_group(groups, device):
-    """CUDA only: a second group over the pp ranks for gradients (NCCL matches P2P by order, not tag)."""
-    if device.type != "cuda" or groups.size("pp") == 1:
-        return None
-    import torch.distributed as dist
-    mine = None
-    for ranks in groups.layout.groups("pp"):  # new_group is collective: every rank creates every group
-        group = dist.new_group(ranks)
-        mine = group if groups.rank in ranks else mine
-    return mine
-
-
 class BubbleMeter:
     """Busy (compute) and idle (everything else in the pipeline phase) seconds over metered steps.
 
     Off unless inside `metering()`: the worker meters one extra step of its own, never a timed one,
-    because on CUDA the device is synchronised around each compute section (so busy time is kernel
-    time, not launch time), which would also stall the timed stream."""
+    because on an accelerator the current stream is synchronised around each compute section (so busy
+    time is kernel time, not launch time), which would also stall the timed stream. The current stream,
+    not the device: a device-wide synchronize also waits for the sends in flight on NCCL's streams,
+    which makes every send blocking, and the metered step of an interleaved schedule with m > p then
+    deadlocks (tests/test_nccl_order.py)."""
 
     def __init__(self, device=None):
         self.busy_s = self.idle_s = 0.0
         self.on, self._step_busy = False, 0.0
-        self._cuda = device is not None and torch.device(device).type == "cuda"
+        self.device = None if device is None else torch.device(device)
 
     def _sync(self):
-        if self._cuda:
-            torch.cuda.synchronize()
+        if self.device is not None:
+            bench_device.stream_synchronize(self.device)  # nothing to wait for on the CPU
 
     @contextmanager
     def metering(self):
@@ -92,24 +88,28 @@ class BubbleMeter:
 
 
 class Pipeline:
-    """Runs a schedule over this rank's chunks; returns the micro-batch losses (last stage only)."""
+    """Runs a schedule over this rank's chunks; returns the micro-batch losses (last stage only).
 
-    def __init__(self, chunks: list[Stage], run_cfg, groups, device, autocast_dtype):
+    `comm` and `meter` default to this rank's channels (created here, collectively) and a BubbleMeter;
+    tests pass recording ones to replay the call order through a model of NCCL."""
+
+    def __init__(self, chunks: list[Stage], run_cfg, groups, device, autocast_dtype,
+                 comm: PipeComm | None = None, meter: BubbleMeter | None = None):
         self.chunks, self.cfg, self.device = chunks, run_cfg, device
         self.p, self.r, self.v = groups.size("pp"), groups.coord.pp, len(chunks)
         self.tp_group, self.autocast_dtype = groups.tp, autocast_dtype
-        self.comm = PipeComm(groups.pp, groups.ranks["pp"], self.r, _grad_group(groups, device))
+        self.comm = comm or PipeComm.build(groups, self.v)
         self.order = schedule(run_cfg.schedule, run_cfg.micro_batches, self.p, self.r, self.v)
         self.sids = rank_chunks(self.r, self.p, self.v)
-        self.meter = BubbleMeter(device)
+        self.meter = meter or BubbleMeter(device)
         seq = run_cfg.seq // (groups.size("tp") if run_cfg.sequence_parallel else 1)
         self.act_shape = (run_cfg.micro_batch, seq, run_cfg.model_config.hidden)
         self.act_dtype = autocast_dtype or torch.float32
-        # Post the next action's receive before this action's compute. Gloo matches P2P by tag and runs
-        # it asynchronously, so posting early is safe; NCCL matches by posting order per communicator
-        # and runs a pair's ops on one stream, where a receive posted ahead of a send the peer waits for
-        # could deadlock (interleaved pp 2 sends and receives activations between the same two ranks).
-        self.post_ahead = torch.device(device).type != "cuda"
+        # Post the next action's receive before this action's compute, on every device: each receive
+        # has its channel's stream to itself (one channel per edge and kind), so posting it early cannot
+        # hold up a send, which it could while both directions shared the pp group's stream under NCCL
+        # (tests/test_nccl_order.py replays both orders; False is the old NCCL order, kept for that).
+        self.post_ahead = True
         # test-only (fault stage_sleep:MS): every compute section also sleeps, so stage compute dominates
         self.stage_sleep_s = (parse_fault(run_cfg.fault).get("stage_sleep") or 0.0) / 1e3
         self.loss_scale = 1.0  # fp16-mixed: the trainer's dynamic loss scale (bench.loss_scale)
@@ -163,8 +163,8 @@ class Pipeline:
         return torch.autocast(self.device.type, enabled=False) if self.autocast_dtype else nullcontext()
 
     def _post_recv(self, kind: str, chunk: int, mb: int):
-        """Post the receive `action` needs (None if it needs none). Both sides post in schedule order,
-        so per tag the messages still match in micro-batch order."""
+        """Post the receive `action` needs (None if it needs none). Both ends of a channel walk it in
+        schedule order, so its k-th receive is its k-th send (NCCL matches by position)."""
         sid = self._sid(chunk)
         if kind == "F" and sid != 0:
             return self.comm.post_forward(self.act_shape, self.act_dtype, self.device, chunk)
