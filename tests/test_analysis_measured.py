@@ -108,6 +108,46 @@ def test_predicted_comm_equals_measured_all_backends(pools, options):
     _check_all(pools, [options])
 
 
+def _count_functional_collectives_on_rank(n: int) -> dict:
+    """DTensor's path: torch's functional collectives (`_c10d_functional` ops), under the worker's counter."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from bench.distributed import setup_rank, shutdown
+    from bench.metrics.comm import CommCounter
+    setup_rank("cpu")
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        x = torch.full((n,), float(rank + 1))
+        with CommCounter(dim_of=lambda ranks: "dp") as counter:
+            gathered = funcol.all_gather_tensor(x, 0, dist.group.WORLD)
+            scattered = funcol.reduce_scatter_tensor(torch.ones(n * world), "sum", 0, dist.group.WORLD)
+            reduced = funcol.all_reduce(x, "sum", dist.group.WORLD)
+            values = [funcol.wait_tensor(t).tolist() for t in (gathered, scattered, reduced)]
+        return {"values": values, "counted": {kind: (s.ops, s.bytes, s.wire_bytes)
+                                               for (dim, kind), s in counter.stats.items() if dim == "dp"},
+                "dims": sorted({dim for dim, _ in counter.stats})}
+    finally:
+        shutdown()
+
+
+def test_counter_counts_functional_collectives_by_the_payload_convention(pools):
+    """The counter's `_c10d_functional` branch (DTensor, FSDP2 with tp): an all-gather is counted at its
+    output (world × the input), reduce-scatter and all-reduce at their input, as on the c10d path."""
+    from bench.analysis.comm import wire_bytes
+    n, world = 6, 2
+    got = pools(world).call(_count_functional_collectives_on_rank, n)
+    for rank in got:
+        assert rank["values"] == [[1.0] * n + [2.0] * n, [2.0] * n, [3.0] * n]  # the ops really ran
+        assert rank["dims"] == ["dp"], rank
+        gather_bytes, input_bytes = 4 * n * world, 4 * n
+        assert rank["counted"] == {
+            "all_gather": (1, gather_bytes, wire_bytes("all_gather", gather_bytes, world)),
+            "reduce_scatter": (1, 4 * n * world, wire_bytes("reduce_scatter", 4 * n * world, world)),
+            "all_reduce": (1, input_bytes, wire_bytes("all_reduce", input_bytes, world)),
+        }, rank["counted"]
+
+
 def test_native_zero1_really_saves_memory(pools):
     """ZeRO-1 at dp 4, fp32, Ψ = parameter bytes: params Ψ + grads Ψ + Adam 2Ψ/4 (the optimizer steps
     on its shard of the flat parameter buffer in place: no copy of the shard, no separate gradient),

@@ -10,7 +10,8 @@ dynamic loss scaler of fp16-mixed, and all of them as sweep axes and row columns
   an inf in one gradient skips the step and backs off, good steps grow the scale, and over two ranks an
   inf on one of them makes both skip; then the native (pp 2), ddp and fsdp trainers themselves, given the
   scaler their fp16-mixed construction makes on CUDA: the unscaled loss trajectory equals the reference,
-  and an overflowing first step is skipped on every rank.
+  and an overflowing first step is skipped on every rank; and the scaler each trainer's own fp16-mixed
+  construction makes votes over the world exactly where the ranks' gradients differ (ZeRO-1, tp, pp, FSDP).
 """
 import functools
 import gc
@@ -331,6 +332,56 @@ def test_trainers_scale_unscale_and_skip(pools, kw):
     losses, skipped, scale = pools(2).call(_train_with_scaler_on_rank, cfg.to_dict(), 2.0**200, 2.0**-100, 2)[0]
     assert skipped == 1 and scale == 2.0**100
     assert math.isclose(losses[0], ref[0], rel_tol=LOSS_RTOL)  # the reported loss is the unscaled one
+
+
+def _scaler_groups_on_rank(cfg_dicts: list[dict]) -> list[str]:
+    """Each config's trainer as its backend builds it for fp16-mixed (a CUDA config, built on this CPU rank:
+    only construction, no fp16 step): which ranks its scaler makes vote on skipping."""
+    import torch.distributed as dist
+    from bench.backends.registry import get_backend
+    from bench.distributed import ProcessGroups, setup_rank, shutdown
+    from bench.layout import Layout
+    from bench.training import RunContext
+    setup_rank("cpu")
+    try:
+        out = []
+        for cfg_dict in cfg_dicts:
+            cfg = RunConfig.from_dict(cfg_dict)
+            groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
+            trainer = get_backend(cfg.backend).build(cfg, RunContext(cfg, groups, torch.device("cpu")))
+            scaler = trainer.scaler
+            if scaler is None:
+                out.append("no scaler")
+            elif scaler.group is None:
+                out.append("this rank alone")
+            else:
+                out.append("world" if scaler.group is dist.group.WORLD else
+                           f"group {dist.get_process_group_ranks(scaler.group)}")
+            trainer.close()
+        return out
+    finally:
+        shutdown()
+
+
+SCALER_VOTES = [  # (trainer, who votes on skipping): every rank whose gradients are not every rank's
+    (dict(backend="native", dp=2, zero=1), "world"),  # ZeRO-1: each rank steps its own shard
+    (dict(backend="native", tp=2), "world"),
+    (dict(backend="native", pp=2, micro_batches=2), "world"),
+    (dict(backend="native", dp=2), "this rank alone"),  # replicas: one rank's verdict is everyone's
+    (dict(backend="ddp", dp=2), "this rank alone"),
+    (dict(backend="fsdp", dp=2), "world"),
+]
+
+
+def test_the_loss_scaler_votes_wherever_the_ranks_gradients_differ(pools):
+    """The trainers' own fp16-mixed construction (test_trainers_scale_unscale_and_skip replaces the scaler):
+    ZeRO-1, tp, pp and FSDP ranks vote over the world, replicas skip on their own verdict."""
+    cfgs = [RunConfig(model="tiny", dtype="fp16-mixed", device="cuda", **kw) for kw, _ in SCALER_VOTES]
+    got = pools(2).call(_scaler_groups_on_rank, [c.to_dict() for c in cfgs])
+    want = [vote for _, vote in SCALER_VOTES]
+    assert got[0] == got[1] == want, [(kw, g) for (kw, _), g in zip(SCALER_VOTES, got[0])]
+    fp32 = RunConfig(model="tiny", backend="native", dp=2, zero=1)
+    assert pools(2).call(_scaler_groups_on_rank, [fp32.to_dict()]) == [["no scaler"]] * 2
 
 
 # --- bad input, sweeps, labels -------------------------------------------------------------------------------

@@ -164,6 +164,19 @@ def test_prune_fit_uses_the_named_profile_memory(tmp_path):
     assert peak > 6 * 2**20 > exp.predictions[kept.run_id].peak_bytes
     assert pruned["error"] == (f"pruned: predicted peak memory {peak / 2**20:,.1f} MiB per rank exceeds the 6.0 MiB "
                                "a rank has on small-gpu (datasheet) (one device's 6.0 MiB); prune.fit = true")
+    # 6 MiB sits 1.41× below that peak: a fit rule 1.4× too lax would still prune it. At the edge the rule is
+    # exact: a rank with one byte less than the peak is pruned, one with exactly the peak keeps its run.
+    for memory, fits in ((peak - 1, False), (peak, True)):
+        hw.write_text(f"name: small-gpu\npeak_flops: {{fp32: 10T}}\nmemory_bytes: {int(memory)}\n"
+                      "intra_node_bw: 10GB\ninter_node_bw: 1GB\n")
+        edge = _planned(tmp_path, base={"device": "cpu", "dtype": "fp32"},
+                        zip=[{"micro_batch": [8, 1], "micro_batches": [1, 8]}], grid={"seed": [0]},
+                        prune={"fit": True, "hardware": str(hw)})
+        assert edge.predictions[pruned["run_id"]].peak_bytes == peak  # the profile's memory is no input of it
+        assert edge.predictions[pruned["run_id"]].rank_memory == memory
+        assert (pruned["run_id"] in edge.pruned) is not fits, \
+            f"peak {peak:.0f} B on a rank with {memory:.0f} B: should be {'kept' if fits else 'pruned'}"
+        assert {c.run_id for c in edge.runs} == {kept.run_id} | ({pruned["run_id"]} if fits else set())
 
 
 def test_prune_on_cpu_shares_the_host_memory_and_unknown_gpus_warn(tmp_path):
@@ -376,6 +389,33 @@ def test_results_command_rebuilds_the_parquet(local_sweep):
     assert done.returncode == 0, done.stderr
     assert "ok 1" in done.stdout and "timeout 1" in done.stdout and "skipped 1" in done.stdout
     assert (local_sweep["out"] / "results.parquet").is_file()
+
+
+def test_a_row_write_cut_off_half_way_shows_no_partial_row(tmp_path, monkeypatch):
+    """The store writes to a temporary name and renames: a reader listing runs/ while a row is being written
+    (or after the writer died half-way) sees the previous row or none, never a truncated one."""
+    from bench.results import skipped_row
+    from bench.sweep.store import ResultStore, read_row
+    store = ResultStore(tmp_path / "out")
+    old = store.write(skipped_row(RunConfig(seed=0), "first attempt"))
+    seen = []
+
+    def dump_half_then_die(obj, f, **kw):  # the writer killed (disk full, SIGKILL) mid-row
+        text = json.dumps(obj, **kw)
+        f.write(text[:len(text) // 2])
+        f.flush()
+        seen.append({p.name: read_row(p) for p in store.runs.glob("*.json")})  # a reader, right now
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(json, "dump", dump_half_then_die)
+    for row in (skipped_row(RunConfig(seed=0), "the rerun"), skipped_row(RunConfig(seed=1), "a new run")):
+        with pytest.raises(OSError, match="No space"):
+            store.write(row)
+    monkeypatch.undo()
+    assert len(seen) == 2
+    for snapshot in seen:  # mid-write: only the old, whole row
+        assert snapshot == {f"{old['run_id']}.json": (old, None)}, snapshot
+    assert store.rows() == [old] and store.set_aside() == []  # and after: nothing corrupt to move aside
 
 
 def test_dry_run_prints_the_table_and_counts():

@@ -209,6 +209,62 @@ def test_collectives_are_read_at_the_ranks_running():
     assert cal.collective_seconds("all_reduce", 2, 1e6, ranks=1024) == 4e-3
 
 
+class _FakeCalibrationPool:
+    """A RankPool for `calibrate` without ranks: each call answers what its ranks would, made up. A collective
+    of `g`-rank groups among `running` ranks takes (10·g + running) µs, so each curve says where it came from."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def call(self, fn, *args):
+        from bench import calibrate
+        if fn is calibrate.measure_compute:
+            compute = {"matmul": {d: [[2.0 * 32**3, 1e9], [2.0 * 512**3, 4e9]] for d in ("fp32", "bf16")},
+                       "memory_bw": 1e10, "activation_bw": {"gelu": 5e9, "swiglu": 5e9, "cross_entropy": 2e9},
+                       "op_overhead_s": 1e-5, "optimizer_s_per_param": 1e-9, "optimizer_s_per_tensor": 1e-6,
+                       "reference_s": 0.5}
+            return [compute] + [None] * (self.world - 1)
+        if fn is calibrate._on_first:
+            k = args[0]
+            return [0.01 * k if rank < k else None for rank in range(self.world)]
+        if fn is calibrate.measure_collectives:
+            g, running, sizes, _ = args
+            t = (10 * g + running) * 1e-6
+            row = {op: [[4.0 * max(1, b // 4), t * (1 + i)] for i, b in enumerate(sizes)] for op in calibrate.OPS}
+            return [row if rank < running else None for rank in range(self.world)]
+        raise AssertionError(f"calibrate called {fn.__name__} in its ranks")
+
+
+def test_calibration_files_each_curve_under_its_group_and_ranks_running(monkeypatch):
+    """World 4 (without its ranks: too slow on 2 cores): groups of 2 are measured with 2 and with 4 ranks
+    running, and each curve is filed under the ranks that ran it (at world 2 every key is 2: any filing
+    agrees); the time model then reads a 2-group among 4 ranks off the crowded curve."""
+    from bench import calibrate, spawn
+    assert calibrate.collective_shapes(4) == [(2, 2), (2, 4), (4, 4)]
+    assert calibrate.collective_shapes(8) == [(2, 2), (2, 4), (4, 4), (2, 8), (4, 8), (8, 8)]
+    monkeypatch.setattr(spawn, "RankPool", _FakeCalibrationPool)
+    monkeypatch.setattr(calibrate, "RankPool", _FakeCalibrationPool, raising=False)  # were it imported at the top
+    monkeypatch.setattr(calibrate, "_cuda_available", lambda: False)
+    monkeypatch.setattr(calibrate, "machine", lambda: {"device": "cpu", "cores": 4, "hostname": "test",
+                                                       "measured_at": "2000-01-01T00:00:00Z"})
+    cal = calibrate.calibrate(world=4, quick=True).calibration
+    sizes = calibrate.plan_sizes(quick=True)["comm_bytes"]
+    for op in calibrate.OPS:
+        filed = {g: {r: round(curve[0][1] * (2e6 if op == "send" else 1e6)) for r, curve in by_ranks.items()}
+                 for g, by_ranks in cal.collectives[op].items()}  # the first point's µs: 10·g + ranks running
+        assert filed == {2: {2: 22, 4: 24}, 4: {4: 44}}, f"{op}: group → ranks running → µs {filed}"
+        assert [b for b, _ in cal.collectives[op][2][4]] == [4.0 * max(1, b // 4) for b in sizes]
+    assert cal.collective_seconds("all_reduce", 2, 4.0, ranks=4) == pytest.approx(24e-6)
+    assert cal.collective_seconds("all_reduce", 2, 4.0, ranks=2) == pytest.approx(22e-6)
+    assert cal.oversubscription == {1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["calibration"].pop("memory_bw"), "calibration.memory_bw is missing"),
     (lambda d: d["calibration"].__setitem__("op_overhead_s", -1.0), "calibration.op_overhead_s is -1.0"),
