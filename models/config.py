@@ -1,6 +1,6 @@
 """GPT model configuration, named presets, exact parameter and FLOP counts.
 
-FLOP convention (the one place it is written; `bench` and the README quote it):
+FLOP convention (the one place it is written; `bench` and docs/row-schema.md quote it):
 model FLOPs per token for one training step (forward + backward = 3 × forward) are
     6 · (weights of every matmul: QKV, attention output, MLP, LM head)
   + 12 · layers · hidden · seq          (attention scores QKᵀ and the weighted sum of V, per query

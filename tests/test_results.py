@@ -20,9 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "results" / "baselines" / "quickstart"
 
 
-def test_readme_and_design_tables_are_the_declaration():
-    for doc in ("README.md", "docs/architecture.md"):
-        assert markdown_table() in (ROOT / doc).read_text(), f"{doc}: regenerate it: python -m bench.results --write"
+def test_the_row_schema_page_is_the_declaration_and_its_one_copy():
+    page = "docs/row-schema.md"
+    assert markdown_table() in (ROOT / page).read_text(), f"{page}: regenerate it: python -m bench.results --write"
+    header = markdown_table().splitlines()[0]
+    copies = [str(p.relative_to(ROOT)) for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+              if header in p.read_text()]
+    assert copies == [page], f"the column table belongs in {page} only; also in {copies}"
 
 
 def test_config_columns_are_runconfig_fields_with_their_help():

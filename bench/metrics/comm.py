@@ -4,7 +4,7 @@ A TorchDispatchMode sees every c10d op whichever layer issued it: Python `dist.*
 reducer, FSDP, DTensor functional collectives, pipelining P2P, DeepSpeed. It costs ~50 % step
 time, so the worker counts one separate, untimed step.
 
-Payload convention (docs/architecture.md, the comm columns): all-reduce → input; all-gather → output; reduce-scatter → input;
+Payload convention (docs/row-schema.md, the comm columns): all-reduce → input; all-gather → output; reduce-scatter → input;
 P2P → sent bytes only (a recv is counted as an op with 0 bytes); broadcast → the tensor.
 Wire bytes are what a ring algorithm moves per rank: all-reduce 2(n−1)/n · S,
 all-gather and reduce-scatter (n−1)/n · S_full, broadcast and P2P S.

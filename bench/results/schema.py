@@ -1,7 +1,7 @@
 """Every column of a result row, declared once: name, type, unit, meaning, kind, how the ranks'
 values become one, and how `bench compare` judges it.
 
-The store's schema check, compare's exact and noisy sets, the report's units and the README's table
+The store's schema check, compare's exact and noisy sets, the report's units and docs/row-schema.md's table
 all read `COLUMNS`. Config columns come from RunConfig's fields (their `help` is the meaning);
 columns with a suffix per parallel dimension (`comm_bytes_{tp,pp,dp}`) come from one `Family`.
 Pure Python: no torch, no pandas.
@@ -94,7 +94,7 @@ class Family:
 
     @property
     def pattern(self) -> str:
-        """The family as one name: comm_bytes_{tp,pp,dp} (the README's spelling; long lists stay `{op}`)."""
+        """The family as one name: comm_bytes_{tp,pp,dp} (docs/row-schema.md's spelling; long lists stay `{op}`)."""
         return self.template.format(**{k: "{" + ",".join(v) + "}" if len(v) <= 5 else "{" + k + "}"
                                        for k, v in self.values.items()})
 
@@ -345,7 +345,7 @@ RUN_FIELDS = {f.name for f in fields(RunConfig)}
 
 
 def markdown_table() -> str:
-    """The README's table of every column that is not a RunConfig field (those are `bench run --help`)."""
+    """docs/row-schema.md's table of every column that is not a RunConfig field (those are `bench run --help`)."""
     lines = ["| column | unit | kind | over ranks | compare | meaning |", "|---|---|---|---|---|---|",
              "| every `RunConfig` field, `global_batch` | | config | | ignored | `bench run --help` |"]
     for item in DECLARED:
