@@ -41,7 +41,7 @@ from bench.analysis.params import (
     deepspeed_bf16_optimizer,
     deepspeed_settings,
     deepspeed_zero3_split,
-    zero3_padded,
+    zero3_padded_sums,
     zero3_prefetch_gathers,
 )
 from bench.results.schema import comm_column, comm_columns, comm_op_column
@@ -218,14 +218,14 @@ def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffi
         # gathered until the micro-batch ends (max_reuse_distance), so backward gathers nothing again
         gathers = zero3_prefetch_gathers(plan, stage)
         if gathers is None:  # too big to replay: one all-gather per bucket's worth, an approximation
-            total = sum(zero3_padded(n, cfg.dp) for n in parted)
+            total = zero3_padded_sums(plan, stage)[1]
             k = _buckets(total, ds["stage3_prefetch_bucket_size"])
             gathers = [total / k] * k
         out.append(Traffic("dp", "all_gather", sum(gathers) * param_b / len(gathers), len(gathers) * mb, cfg.dp,
                            "partitioned parameters (prefetched)"))
     # every gradient, persistent or not, is reduce-scattered during each micro-batch's backward
     # through the ipg bucket, which is flushed before a gradient that would overflow it
-    grads = sum(zero3_padded(n, cfg.dp) for n in (*kept, *parted))
+    grads = sum(zero3_padded_sums(plan, stage))
     per_mb = _greedy_buckets(tuple(plan.param_sizes(stage)[::-1]), ds["reduce_bucket_size"])
     out += [Traffic("dp", "reduce_scatter", grads * grad_b / per_mb, per_mb * mb, cfg.dp, "gradients"),
             # the overflow / gradient-norm check: one fp64 scalar
@@ -334,7 +334,7 @@ def _native_dp(plan, stage: int) -> list[Traffic]:
     if not cfg.zero:
         return [Traffic("dp", "all_reduce", FP32 * sum(sizes) / len(sizes), len(sizes), cfg.dp, "gradient buckets",
                         "step")]
-    padded = sum(-(-b // cfg.dp) * cfg.dp for b in sizes) * FP32 / len(sizes)
+    padded = plan.padded_buckets(stage) * FP32 / len(sizes)
     return [Traffic("dp", "reduce_scatter", padded, len(sizes), cfg.dp, "gradient buckets", "step"),
             Traffic("dp", "all_gather", padded, len(sizes), cfg.dp, "updated parameters", "step")]
 

@@ -18,7 +18,7 @@ model reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from math import gcd
 
 from bench.analysis.comm import comm_summary
@@ -56,6 +56,11 @@ class Shape(BatchShape):
     recompute: str = "none"
     bucket_mb: float = 25.0
     model_overrides: tuple = field(default=())
+
+    @cached_property
+    def model_config(self):
+        """RunConfig's, looked up once per candidate (the cost model reads it dozens of times)."""
+        return BatchShape.model_config.fget(self)
 
 
 def default_mixed_state(cfg) -> str:

@@ -49,7 +49,7 @@ from bench.analysis.params import (
     deepspeed_bf16_optimizer,
     deepspeed_settings,
     deepspeed_zero3_split,
-    zero3_padded,
+    zero3_padded_sums,
     zero3_prefetch_gathers,
     zero12_padded,
 )
@@ -337,8 +337,7 @@ def _zero3_resident(plan, stage: int) -> float:
     when they fit stage3_max_live_parameters and stage3_max_reuse_distance (nothing is released
     between a parameter's forward and its backward), else one prefetch bucket's worth."""
     ds = deepspeed_settings(plan.cfg)
-    _, parted = deepspeed_zero3_split(plan, stage)
-    total = sum(zero3_padded(n, plan.cfg.dp) for n in parted)
+    total = zero3_padded_sums(plan, stage)[1]
     if total <= min(ds["stage3_max_live_parameters"], ds["stage3_max_reuse_distance"]):
         return total
     return min(total, ds["stage3_prefetch_bucket_size"])
@@ -398,8 +397,7 @@ def model_state(plan, stage: int, prec: Precision) -> dict:
         # flat fp32 buckets padded to a multiple of dp: the parameters are views of one, their
         # gradients of another; the optimizer steps on this rank's 1/dp of the parameter buffer in
         # place (no copy: the engine keeps fp32 weights under autocast too), so it owns only Adam's m, v
-        buckets, n_sp = plan.buckets(stage)
-        padded = sum(-(-b // cfg.dp) * cfg.dp for b in (*buckets, n_sp) if b)
+        padded = plan.padded_buckets(stage)
         return _state(padded, padded, padded / cfg.dp, prec)
     dp_, dg, do = plan.state_divisors
     return _state(n / dp_, n / dg, n / do, prec)
@@ -436,8 +434,8 @@ def _deepspeed_state(plan, stage: int, prec: Precision) -> dict:
         params = zero12_padded(int(n), dp)
         part = params / dp
     else:
-        kept, parted = deepspeed_zero3_split(plan, stage)
-        part = sum(zero3_padded(k, dp) for k in (*kept, *parted)) / dp
+        kept, _ = deepspeed_zero3_split(plan, stage)
+        part = sum(zero3_padded_sums(plan, stage)) / dp
         params = part + (sum(kept) if dp > 1 else 0)  # dp = 1: the partition is the whole parameter
     return {"params_bytes": params * prec.param, "grads_bytes": part * fp32,
             "optimizer_bytes": part * (fp32 + adam)}

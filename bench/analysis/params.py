@@ -108,6 +108,15 @@ def native_buckets(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: i
     return tuple(buckets), sum(numel(s) for _, s, _ in sp)
 
 
+@lru_cache(maxsize=65536)
+def native_padded_buckets(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, sequence_parallel: bool,
+                          bucket_mb: float, dp: int) -> int:
+    """Elements of the native engine's ZeRO-1 buckets (`native_buckets`, the sequence-parallel one
+    included), each padded to a multiple of dp."""
+    buckets, n_sp = native_buckets(m, tp, pp, virtual_stages, stage, sequence_parallel, bucket_mb)
+    return sum(-(-b // dp) * dp for b in (*buckets, n_sp) if b)
+
+
 @lru_cache(maxsize=4096)
 def fsdp_groups(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int) -> list[tuple[str, list[Param]]]:
     """FSDP2 communication groups of a stage's chunks: each block, then the chunk's remaining
@@ -140,15 +149,20 @@ def fsdp_group_sizes(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage:
 
 
 # --- DeepSpeed's view of the parameters -----------------------------------------------------------
-@lru_cache(maxsize=4096)
 def deepspeed_settings(cfg) -> dict:
     """The knobs of the DeepSpeed config the run gets (generated, then `ds_set`) that shape traffic
     and state: persistence threshold, bucket sizes (elements), pipeline partitioning. Defaults are
-    DeepSpeed 0.19's."""
-    from bench.backends.deepspeed_config import apply_ds_set, grad_bytes  # pure: yaml only
-    bucket = int(cfg.bucket_mb * 2**20 / grad_bytes(cfg))  # elements, as deepspeed_config.generate sets both
+    DeepSpeed 0.19's. Cached on what it reads (the planner asks once per candidate and stage)."""
+    from bench.backends.deepspeed_config import grad_bytes  # pure: yaml only
+    return _deepspeed_settings(cfg.bucket_mb, grad_bytes(cfg), getattr(cfg, "ds_set", ()))  # the planner's shapes have none
+
+
+@lru_cache(maxsize=4096)
+def _deepspeed_settings(bucket_mb: float, grad_bytes: int, ds_set: tuple) -> dict:
+    from bench.backends.deepspeed_config import apply_ds_set  # pure: yaml only
+    bucket = int(bucket_mb * 2**20 / grad_bytes)  # elements, as deepspeed_config.generate sets both
     zero = {"stage3_prefetch_bucket_size": bucket, "reduce_bucket_size": bucket}
-    config = apply_ds_set({"zero_optimization": zero}, getattr(cfg, "ds_set", ()))  # the planner's shapes have none
+    config = apply_ds_set({"zero_optimization": zero}, ds_set)
     zero, pipe = config.get("zero_optimization", {}), config.get("pipeline", {})
     return {"stage3_param_persistence_threshold": zero.get("stage3_param_persistence_threshold", 100_000),
             "stage3_prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size", 50_000_000),
@@ -165,12 +179,31 @@ def deepspeed_bf16_optimizer(cfg) -> bool:
     return cfg.backend == "deepspeed" and cfg.zero == 0 and cfg.dtype == "bf16-mixed" and cfg.pp > 1
 
 
-def deepspeed_zero3_split(plan, stage: int) -> tuple[list[int], list[int]]:
+def deepspeed_zero3_split(plan, stage: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(element counts of the persistent parameters, of the partitioned ones) of a rank: DeepSpeed
     keeps a parameter whole on every rank when numel ≤ stage3_param_persistence_threshold."""
+    return _zero3_split(*plan._key(stage), deepspeed_settings(plan.cfg)["stage3_param_persistence_threshold"])
+
+
+@lru_cache(maxsize=65536)
+def _zero3_split(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int,
+                 threshold: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    params = stage_param_sizes(m, tp, pp, virtual_stages, stage)
+    return tuple(n for n in params if n <= threshold), tuple(n for n in params if n > threshold)
+
+
+def zero3_padded_sums(plan, stage: int) -> tuple[int, int]:
+    """(elements of the persistent, of the partitioned parameters of a rank) each padded to a multiple
+    of dp (`zero3_padded`); cached per rank shape and dp."""
     threshold = deepspeed_settings(plan.cfg)["stage3_param_persistence_threshold"]
-    params = plan.param_sizes(stage)
-    return [n for n in params if n <= threshold], [n for n in params if n > threshold]
+    return _zero3_padded_sums(*plan._key(stage), threshold, plan.cfg.dp)
+
+
+@lru_cache(maxsize=65536)
+def _zero3_padded_sums(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, threshold: int,
+                       dp: int) -> tuple[int, int]:
+    kept, parted = _zero3_split(m, tp, pp, virtual_stages, stage, threshold)
+    return sum(zero3_padded(n, dp) for n in kept), sum(zero3_padded(n, dp) for n in parted)
 
 
 def zero3_padded(numel: int, dp: int) -> int:
@@ -184,21 +217,30 @@ def zero12_padded(numel: int, dp: int) -> int:
     return -(-numel // (2 * dp)) * (2 * dp)
 
 
-def zero3_prefetch_gathers(plan, stage: int) -> list[int] | None:
+def zero3_prefetch_gathers(plan, stage: int) -> tuple[int, ...] | None:
     """Element counts (whole, padded to dp) of the all-gathers DeepSpeed ZeRO-3 issues in one
     micro-batch, by replaying its prefetcher (partitioned_param_coordinator.fetch_sub_module) over
     this model's module trace: at each module's forward (parameterless ones included) it gathers
     the module's parameters not yet available, then pops the recorded trace and gathers, in one
     op, the parameters not yet available until their numel reaches stage3_prefetch_bucket_size.
     None when the replay does not hold: parameters would be released before the micro-batch ends
-    (the stage's parameters exceed stage3_max_live_parameters or stage3_max_reuse_distance)."""
-    cfg, ds = plan.cfg, deepspeed_settings(plan.cfg)
-    params = [(name, numel(shape)) for chunk in stage_chunk_params(*plan._key(stage)) for name, shape, _ in chunk]
-    bucket = ds["stage3_prefetch_bucket_size"]
-    if sum(n for _, n in params) + bucket > min(ds["stage3_max_live_parameters"], ds["stage3_max_reuse_distance"]):
+    (the stage's parameters exceed stage3_max_live_parameters or stage3_max_reuse_distance).
+    Cached per rank shape, dp and the settings it reads."""
+    ds = deepspeed_settings(plan.cfg)
+    return _zero3_prefetch_gathers(*plan._key(stage), plan.cfg.dp, ds["stage3_prefetch_bucket_size"],
+                                   min(ds["stage3_max_live_parameters"], ds["stage3_max_reuse_distance"]),
+                                   ds["stage3_param_persistence_threshold"])
+
+
+@lru_cache(maxsize=65536)
+def _zero3_prefetch_gathers(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, dp: int, bucket: int,
+                            live: int, threshold: int) -> tuple[int, ...] | None:
+    params = [(name, numel(shape)) for chunk in stage_chunk_params(m, tp, pp, virtual_stages, stage)
+              for name, shape, _ in chunk]
+    if sum(n for _, n in params) + bucket > live:
         return None
     sizes = [n for _, n in params]
-    available = {i for i, n in enumerate(sizes) if n <= ds["stage3_param_persistence_threshold"]}
+    available = {i for i, n in enumerate(sizes) if n <= threshold}
     trace = _module_trace([name for name, _ in params])
     queue = deque(i for _, mine in trace for i in mine)
     gathers = []
@@ -218,7 +260,7 @@ def zero3_prefetch_gathers(plan, stage: int) -> list[int] | None:
         if batch:
             gathers.append(batch)
             available.update(batch)
-    return [sum(zero3_padded(sizes[i], cfg.dp) for i in g) for g in gathers]
+    return tuple(sum(zero3_padded(sizes[i], dp) for i in g) for g in gathers)
 
 
 def _module_trace(names: list[str]) -> list[tuple[str, list[int]]]:

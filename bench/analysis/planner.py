@@ -12,6 +12,7 @@ two backends are kept once (native first).
 """
 from __future__ import annotations
 
+import bisect
 import re
 from collections import Counter
 from dataclasses import dataclass, fields, replace
@@ -20,6 +21,7 @@ from functools import lru_cache
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
 from bench.analysis.stage_plan import stage_plan
+from bench.analysis.time_model import step_time_floor
 from bench.config import ConfigError, RunConfig, check_number, structural_reason
 from models.config import get_preset
 
@@ -157,7 +159,8 @@ def _valid_shapes(point: Shape, orders: tuple, validate: _Validator, dropped: Co
     if reason:
         dropped[_reason_class(reason)] += len(SHARDINGS) * len(RECOMPUTE) * len(orders)
         return
-    facts, fields_ = _support_facts(point), vars(point)  # Shape(**…) is cheaper than dataclasses.replace
+    facts = _support_facts(point)  # Shape(**…) is cheaper than dataclasses.replace
+    fields_ = {f.name: getattr(point, f.name) for f in fields(Shape)}
     for backend, zero, fsdp in SHARDINGS:
         for recompute in RECOMPUTE:
             options = {"backend": backend, "zero": zero, "fsdp": fsdp, "recompute": recompute}
@@ -188,7 +191,7 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
         raise ValueError(reason)
     limit = hw.memory_bytes * memory_fraction
     validate = _Validator(engines, "cpu" if hw.name == "cpu" else "cuda")
-    dropped, seen, results = Counter(), set(), []
+    dropped, seen, fits = Counter(), set(), []
     considered = valid = 0
     for point, orders, skip in points(model, gpus, global_batch, seq, dtype, gpus_per_node):
         if skip:
@@ -212,10 +215,37 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
                 dropped[f"out of memory (> {memory_fraction:.0%} of {hw.memory_bytes / 2**30:.0f} GiB; "
                         f"largest part: {max(parts, key=parts.get).removesuffix('_bytes')})"] += 1
                 continue
-            time = predict_time(stages, hw, mixed_state)
-            results.append((shape, mem, time))
-    results.sort(key=lambda r: (-round(r[2]["tokens_per_s"], 3), r[1]["total_bytes"]))  # ties: less memory
-    return Plan([_row(*r) for r in results[:top]], considered, valid, len(results), dropped)
+            fits.append((stages, mem))
+    return Plan([_row(p.cfg, mem, time) for _, p, mem, time in _best(fits, hw, mixed_state, top)], considered,
+                valid, len(fits), dropped)
+
+
+def _rank_key(tokens_per_s: float, mem: dict, i: int) -> tuple:
+    """Best first: predicted tokens/s (to 3 decimals), then less memory, then enumeration order."""
+    return -round(tokens_per_s, 3), mem["total_bytes"], i
+
+
+def _best(fits: list, hw: Hardware, mixed_state: str, top: int) -> list[tuple]:
+    """The `top` best of the fitting candidates by `_rank_key`, as (key, plan, memory, time), timing only
+    what can reach them. A bound's key is never worse than its candidate's (`step_time_floor` is never
+    above the step time): candidates are visited best compute bound first, the search stops at the
+    first one worse than the top's last, and a candidate is skipped when its bound with the bubble is."""
+    def bound(i: int, bubble: bool) -> tuple:
+        plan, mem = fits[i]
+        floor = step_time_floor(plan, hw, bubble=bubble)
+        return _rank_key(plan.cfg.tokens_per_step / floor if floor > 0 else float("inf"), mem, i)
+
+    best: list[tuple] = []
+    for key, i in sorted((bound(i, False), i) for i in range(len(fits))):
+        if len(best) >= top and key > best[top - 1][0]:
+            break
+        if len(best) >= top and bound(i, True) > best[top - 1][0]:
+            continue
+        plan, mem = fits[i]
+        time = predict_time(plan, hw, mixed_state)
+        bisect.insort(best, (_rank_key(time["tokens_per_s"], mem, i), plan, mem, time), key=lambda r: r[0])
+        del best[top:]
+    return best
 
 
 def _row(shape: Shape, mem: dict, time: dict) -> dict:

@@ -11,10 +11,10 @@ looked up on demand through the plan (cached per rank shape), since each backend
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import cached_property, lru_cache, partial
 
 from bench.analysis.memory import rank_params, sharding
-from bench.analysis.params import fsdp_group_sizes, native_buckets, stage_param_sizes
+from bench.analysis.params import fsdp_group_sizes, native_buckets, native_padded_buckets, stage_param_sizes
 from bench.schedule import Step, partition, rank_chunks, rank_peak, schedule_step
 from models.config import GPTConfig
 
@@ -47,10 +47,16 @@ class StagePlan:
     gpus_per_node: int | None  # None: one machine
     schedule: str  # the action lists its backend runs
     fill_when_m_is_p: bool  # see bench.schedule.interleaved
-    step: Step  # the simulated step at unit costs: bubble, critical path
     sharding: str  # what dp shards: none | optimizer | grads | params
     shard: int  # over how many ranks
     ranks: dict[int, RankPlan]  # the planned pipeline ranks, by stage
+
+    @cached_property
+    def step(self) -> Step:
+        """The simulated step at unit costs: bubble, critical path (simulated when first read: the
+        planner times only the candidates that can reach its top)."""
+        c = self.cfg
+        return schedule_step(self.schedule, c.micro_batches, c.pp, c.virtual_stages, self.fill_when_m_is_p)
 
     @property
     def n_chunks(self) -> int:
@@ -69,6 +75,10 @@ class StagePlan:
     def buckets(self, stage: int) -> tuple[tuple[int, ...], int]:
         """(element counts of the native engine's gradient buckets, of its sequence-parallel bucket)."""
         return native_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb)
+
+    def padded_buckets(self, stage: int) -> int:
+        """Elements of those buckets, each padded to a multiple of dp (ZeRO-1's flat buffers)."""
+        return native_padded_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb, self.cfg.dp)
 
     def fsdp_groups(self, stage: int, shard: int) -> tuple[tuple[str, int], ...]:
         """(kind, padded element count) of each FSDP2 group of a rank, sharded `shard` ways."""
@@ -111,6 +121,5 @@ def stage_plan(cfg, gpus_per_node: int | None = None, stages=None) -> StagePlan:
     name, fill = executed_schedule(cfg)
     shape = (cfg.model_config, cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batches, name, fill)
     stages = range(cfg.pp) if stages is None else stages
-    run = schedule_step(name, cfg.micro_batches, cfg.pp, cfg.virtual_stages, fill)
-    return StagePlan(cfg, gpus_per_node, name, fill, run, *sharding(cfg, gpus_per_node),
+    return StagePlan(cfg, gpus_per_node, name, fill, *sharding(cfg, gpus_per_node),
                      {s: rank_plan(*shape, s) for s in stages})

@@ -295,14 +295,32 @@ def part_costs(cfg, hw: Hardware, impl: str) -> PartCosts:
     return costs
 
 
-def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_state: str) -> StageTime:
-    cfg, rank = plan.cfg, plan.ranks[stage]
-    m, c = cfg.micro_batches, part_costs(plan.cfg, hw, impl)
+def rank_passes(rank, c: PartCosts) -> tuple[float, float, int]:
+    """(forward seconds, backward seconds, ops) of one micro-batch through a pipeline rank's chunks."""
     f, b, ops = rank.layers * c.layer_f, rank.layers * c.layer_b, rank.layers * c.layer_ops
     if rank.first:
         f, b, ops = f + c.embed_f, b + c.embed_b, ops + 12
     if rank.last:
         f, b, ops = f + c.head_f, b + c.head_b, ops + c.head_ops
+    return f, b, ops
+
+
+def step_time_floor(plan, hw: Hardware, impl: str = "table2", bubble: bool = True) -> float:
+    """A lower bound of `step_terms`' step time without its traffic or optimizer: the busiest planned
+    rank's micro-batch compute, and with `bubble` the bubble over it (every other term, the
+    once-a-step upkeep, and the bubble over them only add to it). The planner times a candidate only
+    when this bound could still reach its top; 1e-9 below, so that no rounding can put it above the
+    step time."""
+    c, m = part_costs(plan.cfg, hw, impl), plan.cfg.micro_batches
+    busiest = max(m * (f + b) for f, b, _ in (rank_passes(rank, c) for rank in plan.ranks.values()))
+    idle = max(0.0, plan.step.bubble_over_ideal) if bubble else 0.0
+    return busiest * (1 + idle) * (1 - 1e-9)
+
+
+def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_state: str) -> StageTime:
+    cfg, rank = plan.cfg, plan.ranks[stage]
+    m, c = cfg.micro_batches, part_costs(plan.cfg, hw, impl)
+    f, b, ops = rank_passes(rank, c)
     traffic = tuple(stage_traffic(plan, stage, mixed_state))
     if impl == "table2":
         traffic = megatron_traffic(cfg, rank, traffic)
