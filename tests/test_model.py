@@ -58,11 +58,11 @@ def test_exact_parameter_count_of_every_preset():
     assert abs(count_params(PRESETS["gpt3-175b"]) - 174.6e9) < 0.5e9  # Brown et al. 2020
 
 
-def test_readme_preset_table_lists_every_preset_with_its_count():
+def test_models_page_preset_table_lists_every_preset_with_its_count():
     import re
     from pathlib import Path
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    table = {m[1]: int(m[2].replace(",", "")) for m in re.finditer(r"^\| `([\w.-]+)` \| ([\d,]+) \|", readme, re.M)}
+    page = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    table = {m[1]: int(m[2].replace(",", "")) for m in re.finditer(r"^\| `([\w.-]+)` \| ([\d,]+) \|", page, re.M)}
     assert table == EXACT_PARAMS
 
 
