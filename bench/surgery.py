@@ -11,12 +11,13 @@ initial value and of its tensor-parallel split.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 
-from models import Block, GPTConfig, init_value
+from models import Block, GPTConfig, init_fill_, init_range, init_value
 
 # Megatron tensor parallel (bench.native.tensor): parameter name suffix → the dimension its shard is cut along.
 _TP_SPLITS = {"attn.qkv.weight": 0, "attn.qkv.bias": 0, "mlp.fc1.weight": 0, "mlp.fc1.bias": 0,
@@ -162,19 +163,21 @@ def fill_from_init(module: nn.Module, cfg: GPTConfig, seed: int, *, prefix: str 
     """Write this rank's part of every parameter's initial value, whatever holds it:
 
         ZeRO-3 parameter    its flat partition (`ds_tensor`) of the full value
-        DTensor             its local shard, cut by torch from the full value (no communication)
+        DTensor             its local shard, as torch lays it out (no communication)
         native tp layer     its slice along `split_dim(name)`: rank `tp_rank` of `tp`
         plain tensor        the whole value
 
-    Names are the full GPT's: `prefix` + the name inside `module` (a pipeline piece holding block 3
-    as "3" passes prefix "blocks.")."""
+    Initial values are drawn in flat blocks (`models.init_fill_`), so a part that is one flat range of
+    the full value (a dim-0 slice, a ZeRO-3 partition) draws only its own blocks; a dim-1 slice draws its
+    rows and narrows. Names are the full GPT's: `prefix` + the name inside `module` (a pipeline piece
+    holding block 3 as "3" passes prefix "blocks.")."""
     from torch.distributed.tensor import DTensor
     for local_name, p in module.named_parameters():
         name = prefix + local_name
         if hasattr(p, "ds_tensor"):
-            _fill_zero3_partition(p, init_value(name, p.ds_shape, cfg, seed))
+            _fill_zero3_partition(p, name, cfg, seed)
         elif isinstance(p, DTensor):
-            _fill_dtensor(p, init_value(name, p.shape, cfg, seed))  # p.shape: the global shape
+            _fill_dtensor(p, name, cfg, seed)
         else:
             _fill_tp_slice(p, name, cfg, seed, tp_rank, tp)
 
@@ -182,28 +185,67 @@ def fill_from_init(module: nn.Module, cfg: GPTConfig, seed: int, *, prefix: str 
 def _fill_tp_slice(p: torch.Tensor, name: str, cfg: GPTConfig, seed: int, rank: int, tp: int) -> None:
     dim = split_dim(name) if tp > 1 else None
     if dim is None:
-        p.copy_(init_value(name, p.shape, cfg, seed))
+        init_fill_(p, name, p.shape, cfg, seed)
         return
     shape = list(p.shape)
     shape[dim] *= tp  # the full parameter's shape
-    p.copy_(init_value(name, shape, cfg, seed).narrow(dim, rank * p.shape[dim], p.shape[dim]))
+    if dim == 0:  # rows [rank·r, (rank + 1)·r): one flat range of the full value
+        init_fill_(p, name, shape, cfg, seed, start=rank * p.numel())
+    else:
+        p.copy_(init_value(name, shape, cfg, seed).narrow(dim, rank * p.shape[dim], p.shape[dim]))
 
 
-def _fill_dtensor(p, full: torch.Tensor) -> None:
+def _fill_dtensor(p, name: str, cfg: GPTConfig, seed: int) -> None:
+    """The local shard of DTensor `p`: its rows of the full value, narrowed along the other dims."""
+    local, box = p.to_local(), _dtensor_box(p)
+    if box is None or tuple(local.shape) != box[0]:
+        _fill_dtensor_from_full(p, local, init_value(name, p.shape, cfg, seed))  # p.shape: the global shape
+        return
+    (shape, offset), full = box, tuple(p.shape)
+    row = math.prod(full[1:])
+    if shape[1:] == full[1:]:  # whole rows: one flat range
+        init_fill_(local, name, full, cfg, seed, start=offset[0] * row)
+        return
+    rows = init_range(name, full, cfg, seed, offset[0] * row, (offset[0] + shape[0]) * row).view(shape[0], *full[1:])
+    for dim in range(1, len(full)):
+        rows = rows.narrow(dim, offset[dim], shape[dim])
+    local.copy_(rows)
+
+
+def _dtensor_box(p) -> tuple[tuple, tuple] | None:
+    """(local shape, global offset) of `p`'s shard when it is one box of the global tensor: every placement
+    a plain Shard or Replicate. Shards are cut left to right over the mesh dims, each as torch.chunk cuts
+    (uneven: short or empty last shards), by torch's own `Shard.local_shard_size_and_offset`. None for
+    anything else (FSDP2 + TP's _StridedShard interleaves rows) or a rank outside the mesh.
+    (Not `compute_local_shape_and_global_offset`: it makes host tensors without naming their device.)"""
+    from torch.distributed.tensor import Replicate, Shard
+    coordinate = p.device_mesh.get_coordinate()
+    if coordinate is None or not all(type(pl) in (Shard, Replicate) for pl in p.placements):
+        return None
+    shape, offset = list(p.shape), [0] * p.dim()
+    for mesh_dim, placement in enumerate(p.placements):
+        if type(placement) is Shard:
+            d = placement.dim
+            size, start = Shard.local_shard_size_and_offset(shape[d], p.device_mesh.size(mesh_dim),
+                                                            coordinate[mesh_dim])
+            shape[d], offset[d] = int(size), offset[d] + int(start)
+    return tuple(shape), tuple(offset)
+
+
+def _fill_dtensor_from_full(p, local: torch.Tensor, full: torch.Tensor) -> None:
     from torch.distributed.tensor import distribute_tensor
     # src_data_rank=None: every rank cuts its own shard from its own copy of the full value.
-    local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
-    p.to_local().copy_(local)
+    shard = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
+    local.copy_(shard)
 
 
-def _fill_zero3_partition(p: torch.Tensor, full: torch.Tensor) -> None:
-    """DeepSpeed ZeRO-3: this rank's flat slice [rank·n, (rank+1)·n) of `full`, zero-padded."""
+def _fill_zero3_partition(p: torch.Tensor, name: str, cfg: GPTConfig, seed: int) -> None:
+    """DeepSpeed ZeRO-3: this rank's flat slice [rank·n, (rank+1)·n) of the full value, zero-padded."""
     import torch.distributed as dist
-    part = p.ds_tensor
-    n = part.numel()
-    start = dist.get_rank(group=p.ds_process_group) * n
-    flat = full.reshape(-1)[start:start + n]
-    part.zero_()
-    part[:flat.numel()].copy_(flat.to(part.dtype))
+    part, numel = p.ds_tensor.view(-1), math.prod(p.ds_shape)
+    start = min(dist.get_rank(group=p.ds_process_group) * part.numel(), numel)
+    valid = min(part.numel(), numel - start)
+    init_fill_(part[:valid], name, p.ds_shape, cfg, seed, start=start)
+    part[valid:].zero_()
     if p.numel():  # a parameter DeepSpeed keeps whole (persistence threshold) also holds the full value
-        p.data.copy_(full.to(p.dtype))
+        init_fill_(p.data, name, p.ds_shape, cfg, seed)

@@ -4,7 +4,8 @@ The torch half (`models.gpt`) loads on first use (PEP 562), so `import models` a
 `models.config` stay importable without torch: the planner and `bench layout` never pay for it."""
 from models.config import PRESETS, GPTConfig, count_params, flops_per_token, get_preset
 
-_TORCH_NAMES = ("GPT", "Block", "build_model", "init_value", "init_weights", "loss_fn")
+_TORCH_NAMES = ("GPT", "Block", "INIT_BLOCK", "build_model", "init_fill_", "init_range", "init_value", "init_weights",
+                "loss_fn")
 
 __all__ = ["PRESETS", "GPTConfig", "count_params", "flops_per_token", "get_preset", *_TORCH_NAMES]
 

@@ -9,8 +9,8 @@ tensor-parallel shard (what Megatron and DTensor's Colwise/Rowwise plans expect)
 """
 from __future__ import annotations
 
+import hashlib
 import math
-import zlib
 
 import torch
 import torch.nn as nn
@@ -140,28 +140,143 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def init_value(name: str, shape: torch.Size | tuple, cfg: GPTConfig, seed: int) -> torch.Tensor:
-    """The full initial value of parameter `name`: a pure function of (seed, name, shape).
+# --- initial values -----------------------------------------------------------------------------------
+# Value i of a parameter is a function of (seed, name, i) alone: the flat index space is cut into fixed
+# blocks of INIT_BLOCK values, each drawn from its own generator seeded from (seed, name, block index).
+# A rank therefore draws only the blocks its shard covers, and every layout builds exactly its part of
+# the same full value. 2^16 float32 (256 KiB) keeps a block's two passes (uniforms, then Box-Muller) in
+# L2: measured 186 M values/s at one thread into touched memory, while the per-block manual_seed
+# (~1.7 µs) costs < 1 % of the block's ~350 µs. Changing it changes every initial value.
+INIT_BLOCK = 1 << 16
+# Destinations that are not host float32 (a GPU, bf16) are drawn chunk by chunk through one host buffer
+# of this many values (16 MiB), kept for the process: no full-size temporary, and its pages are faulted
+# in once, not per parameter (first touch costs ~1.5 ns/value: 186 → 140 M values/s).
+HOST_CHUNK = 64 * INIT_BLOCK
+_host_buffer: torch.Tensor | None = None
+_U32 = 0xFFFFFFFF
 
-    Each parameter draws from its own generator, so any layout can build exactly its shards
-    without building the rest of the model (GPT-2 init: N(0, 0.02), residual projections scaled
-    by 1/√(2·layers), biases 0, norm weights 1).
-    """
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "bias":
-        return torch.zeros(shape)
+
+def init_std(name: str, cfg: GPTConfig) -> float | None:
+    """GPT-2 init: N(0, 0.02), residual projections scaled by 1/√(2·layers); None for a constant
+    (biases 0, norm weights 1: `init_constant`)."""
+    if init_constant(name) is not None:
+        return None
+    if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+        return 0.02 / math.sqrt(2 * cfg.layers)
+    return 0.02
+
+
+def init_constant(name: str) -> float | None:
+    """The constant initial value of a bias (0) or a norm weight (1); None for a random weight."""
+    if name.rsplit(".", 1)[-1] == "bias":
+        return 0.0
     if ".ln" in name or name.startswith("norm."):
-        return torch.ones(shape)
-    std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("attn.proj.weight", "mlp.fc2.weight")) else 0.02
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=gen) * std
+        return 1.0
+    return None
+
+
+def init_value(name: str, shape: torch.Size | tuple, cfg: GPTConfig, seed: int) -> torch.Tensor:
+    """The full initial value of parameter `name` (host float32): a pure function of (seed, name, shape)."""
+    return init_fill_(torch.empty(shape, dtype=torch.float32, device="cpu"), name, shape, cfg, seed)
+
+
+def init_range(name: str, shape: torch.Size | tuple, cfg: GPTConfig, seed: int,
+               start: int, stop: int) -> torch.Tensor:
+    """Flat values [start, stop) of `init_value(name, shape, …)`, drawing only the blocks they touch."""
+    out = torch.empty(stop - start, dtype=torch.float32, device="cpu")
+    return init_fill_(out, name, shape, cfg, seed, start=start)
+
+
+@torch.no_grad()
+def init_fill_(out: torch.Tensor, name: str, shape: torch.Size | tuple, cfg: GPTConfig, seed: int,
+               start: int = 0) -> torch.Tensor:
+    """Write flat values [start, start + out.numel()) of the full value of `name` (of `shape`) into `out`,
+    whatever its shape, dtype or device, and return it. A contiguous host float32 `out` is drawn into in
+    place; anything else through a bounded host buffer (`HOST_CHUNK`)."""
+    numel = math.prod(shape)
+    if not 0 <= start <= start + out.numel() <= numel:
+        raise ValueError(f"{name}: values [{start}, {start + out.numel()}) outside its {numel} values")
+    if init_constant(name) is not None:
+        return out.fill_(init_constant(name))
+    draw = _BlockDraw(_param_key(seed, name), init_std(name, cfg), numel)
+    if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
+        draw.into(out.view(-1), start)
+    else:
+        _fill_through_host(out, draw, start)
+    return out
+
+
+def _fill_through_host(out: torch.Tensor, draw: "_BlockDraw", start: int) -> None:
+    if not out.is_contiguous():  # no flat view to write chunks into (no caller has one today)
+        tmp = torch.empty(out.numel(), dtype=torch.float32, device="cpu")
+        draw.into(tmp, start)
+        out.copy_(tmp.view(out.shape))
+        return
+    flat, stop, buffer = out.view(-1), start + out.numel(), _host_chunk_buffer()
+    lo = start
+    while lo < stop:  # chunk ends on multiples of HOST_CHUNK: no block is drawn twice
+        hi = min(stop, (lo // HOST_CHUNK + 1) * HOST_CHUNK)
+        draw.into(buffer[:hi - lo], lo)
+        flat[lo - start:hi - start].copy_(buffer[:hi - lo])
+        lo = hi
+
+
+def _host_chunk_buffer() -> torch.Tensor:
+    global _host_buffer
+    if _host_buffer is None or _host_buffer.numel() < HOST_CHUNK:
+        _host_buffer = torch.empty(HOST_CHUNK, dtype=torch.float32, device="cpu")
+    return _host_buffer
+
+
+def _param_key(seed: int, name: str) -> int:
+    """32 bits of a hash of (seed, name). 32: torch's CPU generator (mt19937) keeps only a seed's low 32 bits."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=4).digest(), "little")
+
+
+def _block_seed(key: int, index: int) -> int:
+    """Block `index`'s seed: murmur3's 32-bit finaliser of key + index, a bijection of that sum, so the
+    blocks of one parameter never share a seed (and a collision across two parameters needs their
+    key ranges to overlap: under 1 % chance over all of a 7B model's blocks)."""
+    h = (key + index) & _U32
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & _U32
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & _U32
+    return h ^ (h >> 16)
+
+
+class _BlockDraw:
+    """N(0, std) values of one parameter (`numel` values, blocks keyed by `key`), drawn block by block."""
+
+    def __init__(self, key: int, std: float, numel: int):
+        self.key, self.std, self.numel = key, std, numel
+        self.gen = torch.Generator(device="cpu")
+        self.scratch: torch.Tensor | None = None
+
+    def into(self, dst: torch.Tensor, start: int) -> None:
+        """Fill the flat host float32 `dst` with values [start, start + dst.numel())."""
+        stop = start + dst.numel()
+        for index in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):
+            lo, hi = index * INIT_BLOCK, min((index + 1) * INIT_BLOCK, self.numel)
+            if start <= lo and hi <= stop:
+                self._block(index, dst[lo - start:hi - start])
+            else:  # a partial first or last block: draw it whole (a block's values depend on its length)
+                block = self._block(index, self._scratch()[:hi - lo])
+                a, b = max(lo, start), min(hi, stop)
+                dst[a - start:b - start].copy_(block[a - lo:b - lo])
+
+    def _block(self, index: int, out: torch.Tensor) -> torch.Tensor:
+        self.gen.manual_seed(_block_seed(self.key, index))
+        return out.normal_(0.0, self.std, generator=self.gen)
+
+    def _scratch(self) -> torch.Tensor:
+        if self.scratch is None:
+            self.scratch = torch.empty(INIT_BLOCK, dtype=torch.float32, device="cpu")
+        return self.scratch
 
 
 def init_weights(model: GPT, seed: int) -> GPT:
     """Fill every parameter of a materialized model from `init_value` (bit-identical for a seed)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(init_value(name, p.shape, model.cfg, seed))
+    for name, p in model.named_parameters():
+        init_fill_(p, name, p.shape, model.cfg, seed)
     return model
 
 
