@@ -55,6 +55,8 @@ for name in NUMBER_FIELDS:  # sweep: the same fields as sweep-file keys (written
 for flag in ("--tp", "--pp", "--dp", "--gpus-per-node", "--rack-size"):
     for text in BAD_VALUES:
         case(f"layout{flag}={text}", ["layout", flag, text], flag)
+case("layout-world-size-contradicts", ["layout", "--tp", "2", "--pp", "2", "--dp", "2", "--world-size", "4"],
+     "--world-size")
 PLAN = ["plan", "--model", "tiny", "--gpus", "8", "--hardware", "cpu", "--global-batch", "8"]
 for flag in ("--gpus", "--gpus-per-node", "--global-batch", "--seq", "--top", "--memory-fraction"):
     for text in BAD_VALUES:

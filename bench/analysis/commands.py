@@ -42,6 +42,11 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
     from bench.layout import Layout
     lay = Layout(_given(options, "tp", 1), _given(options, "pp", 1), _given(options, "dp", 1),
                  _given(options, "order", "tp-pp-dp"), gpus_per_node)
+    world = options.get("world_size")
+    if world is not None and world != lay.world_size:
+        from bench.config import ConfigError  # a typo in the layout, not a layout to explain
+        raise ConfigError(f"tp ({lay.tp}) × pp ({lay.pp}) × dp ({lay.dp}) = {lay.world_size}, "
+                          f"but --world-size is {world}")
     cfg = None
     if options["model"]:
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
