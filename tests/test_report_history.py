@@ -60,3 +60,18 @@ def test_history_add_and_show(sets, tmp_path, monkeypatch, capsys):
     assert code == 2 and out.startswith("error: no history rows for config 'nope'")
     code, out = bench("history", "show", "--history", tmp_path / "none.parquet")
     assert code == 2 and "no history yet" in out
+
+
+def test_history_add_of_a_fragmented_frame_says_nothing(tmp_path):
+    """A loaded result set is built column by column (one block per column): `add` must not make pandas
+    print its four-line PerformanceWarning on every call."""
+    import warnings
+
+    import pandas as pd
+    frame = pd.DataFrame({"run_id": ["a"], "time": ["t"], "status": ["ok"]})
+    for i in range(120):  # pandas warns past 100 blocks
+        frame[f"col{i}"] = [float(i)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pd.errors.PerformanceWarning)
+        added, total = add(frame, tmp_path / "history.parquet")
+    assert (added, total) == (1, 1)
