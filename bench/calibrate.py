@@ -176,8 +176,9 @@ def last_level_cache_bytes(device) -> int:
     """The largest cache in front of the device's memory: a GPU's L2, a CPU's last level (sysfs; 32 MiB
     where it cannot be read)."""
     from bench import device as bench_device
-    if bench_device.for_device(device).is_accelerator:
-        return bench_device.for_device(device).l2_bytes(device)
+    accel = bench_device.for_device(device)
+    if accel.is_accelerator:
+        return accel.l2_bytes(device)
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = f.read_text().strip().upper()

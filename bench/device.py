@@ -120,7 +120,7 @@ class Cuda:
         return torch.cuda.get_device_properties(device).L2_cache_size
 
 
-HOST = Host()
+HOST, CUDA = Host(), Cuda()
 _installed: list = []  # a test's accelerator, while installed
 
 
@@ -129,7 +129,7 @@ def accelerator():
     else None."""
     if _installed:
         return _installed[-1]
-    return Cuda() if torch.cuda.is_available() else None
+    return CUDA if torch.cuda.is_available() else None
 
 
 def for_device(device: torch.device | str):
@@ -137,7 +137,7 @@ def for_device(device: torch.device | str):
     device = torch.device(device)
     if _installed and device.type == _installed[-1].type:
         return _installed[-1]
-    return Cuda() if device.type == "cuda" else HOST
+    return CUDA if device.type == "cuda" else HOST
 
 
 @contextmanager

@@ -65,11 +65,6 @@ def setup_rank(requested: str = "auto", timeout_s: float = 600.0) -> torch.devic
     return device
 
 
-def comm_backend(device: torch.device) -> str:
-    """nccl for CUDA tensors, gloo for CPU tensors: decided here once."""
-    return bench_device.comm_backend(device)
-
-
 def env_from_slurm() -> None:
     """In a Slurm task that submitit started (one task per rank), export what torch.distributed's env://
     reads: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (the job's first host) and
@@ -102,7 +97,7 @@ def init_from_env(device: torch.device, timeout_s: float = 600.0) -> tuple[int, 
     `device`, already chosen and made current (`setup_rank` does all three)."""
     env_from_slurm()
     if not dist.is_initialized():
-        dist.init_process_group(comm_backend(device), timeout=timedelta(seconds=timeout_s),
+        dist.init_process_group(bench_device.comm_backend(device), timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size()
 

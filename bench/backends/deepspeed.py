@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 
 from bench.backends.deepspeed_config import final_config
-from bench.distributed import ProcessGroups, comm_backend
+from bench.device import comm_backend
+from bench.distributed import ProcessGroups
 from bench.metrics.memory import optimizer_tensors
 from bench.surgery import fill_from_init, materialize, meta_module, transform_blocks
 from bench.training import Batch, RunContext, Trainer, make_optimizer
