@@ -283,34 +283,35 @@ def measure_collectives(group: int, ranks: int, sizes: tuple, window_s: float) -
     group busy at once (as a layout's tp or dp groups run side by side); the other ranks idle, so that a
     run of `ranks` ranks meets the contention it has (on a CPU, ranks beyond the cores slow gloo too)."""
     rank = int(os.environ["RANK"])
+    from bench.distributed import rank_session
+    with rank_session("auto", timeout_s=120) as dev:
+        return _time_collectives(dev, rank, group, ranks, sizes, window_s)
+
+
+def _time_collectives(dev, rank: int, group: int, ranks: int, sizes: tuple, window_s: float) -> dict | None:
     import torch
     import torch.distributed as dist
-    from bench.distributed import setup_rank
-    dev = setup_rank("auto", timeout_s=120)
     world = dist.get_world_size()
-    try:
-        blocks = [list(range(s, s + group)) for s in range(0, ranks - group + 1, group)]
-        made = [dist.new_group(b) for b in blocks]  # collective: every rank makes every group
-        mine = next((g for b, g in zip(blocks, made) if rank in b), None)
-        timing = _AfterCompute(dev, window_s)
-        out = {op: [] for op in OPS}
-        for nbytes in sizes:
-            n = max(1, nbytes // 4)
-            n = -(-n // group) * group
-            full, part = torch.ones(n, device=dev), torch.ones(n // group, device=dev)
-            peer = rank ^ 1
-            ops = {"all_reduce": lambda: dist.all_reduce(full, group=mine),
-                   "all_gather": lambda: dist.all_gather_into_tensor(full, part, group=mine),
-                   "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=mine),
-                   "send": lambda: _ping(full, peer, rank) if peer < world else None}
-            reps = 60 if nbytes < 1 << 16 else 24  # a mid-size op varies 2× between batches of 8 on a CPU
-            for op, fn in ops.items():
-                dist.barrier()
-                if mine is not None:
-                    out[op].append([4.0 * n, timing.seconds(fn, reps)])
-        return out if mine is not None else None
-    finally:
-        dist.destroy_process_group()
+    blocks = [list(range(s, s + group)) for s in range(0, ranks - group + 1, group)]
+    made = [dist.new_group(b) for b in blocks]  # collective: every rank makes every group
+    mine = next((g for b, g in zip(blocks, made) if rank in b), None)
+    timing = _AfterCompute(dev, window_s)
+    out = {op: [] for op in OPS}
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        n = -(-n // group) * group
+        full, part = torch.ones(n, device=dev), torch.ones(n // group, device=dev)
+        peer = rank ^ 1
+        ops = {"all_reduce": lambda: dist.all_reduce(full, group=mine),
+               "all_gather": lambda: dist.all_gather_into_tensor(full, part, group=mine),
+               "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=mine),
+               "send": lambda: _ping(full, peer, rank) if peer < world else None}
+        reps = 60 if nbytes < 1 << 16 else 24  # a mid-size op varies 2× between batches of 8 on a CPU
+        for op, fn in ops.items():
+            dist.barrier()
+            if mine is not None:
+                out[op].append([4.0 * n, timing.seconds(fn, reps)])
+    return out if mine is not None else None
 
 
 def progress_steps(world: int) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -63,6 +65,18 @@ def setup_rank(requested: str = "auto", timeout_s: float = 600.0) -> torch.devic
     device = claim_device(requested)
     init_from_env(device, timeout_s)
     return device
+
+
+@contextmanager
+def rank_session(requested: str = "auto", timeout_s: float = 600.0) -> Iterator[torch.device]:
+    """This rank's device and default group (`setup_rank`) while inside; the group destroyed on leaving,
+    so the next run in this process starts clean. Every rank entry point enters it: the worker, calibration,
+    the parity harness, the tests' rank bodies and the benchmarks."""
+    device = setup_rank(requested, timeout_s)
+    try:
+        yield device
+    finally:
+        shutdown()
 
 
 def env_from_slurm() -> None:

@@ -21,6 +21,7 @@ import time
 from typing import Callable
 
 from bench.config import RunConfig
+from bench.analysis.estimate import with_predictions
 from bench.results import classify_error, failure_row
 
 _RANK_ENV = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu"}
@@ -99,7 +100,7 @@ class RankPool:
             return failure_row(cfg, failure.status, str(failure), failure.rank)
         if row is None:  # never hand a caller None: the row is the record of the run
             return failure_row(cfg, "failed", "rank 0 finished without a result row", 0)
-        return row
+        return with_predictions(cfg, row)
 
     def call(self, fn: Callable, *args, timeout_s: float = 600.0) -> list:
         """`fn(*args)` on every rank; the value each rank returned, by rank. Raises RankFailure (and

@@ -7,15 +7,18 @@ layer; the backends (and the native engine's `build`) implement it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from bench.config import RunConfig
 from bench.data import micro_batches
 from bench.distributed import ProcessGroups
 from bench.metrics.memory import optimizer_tensors
+from bench.surgery import split_dim
 
 # One optimizer for every backend, so losses are comparable (torch AdamW; DeepSpeed takes it as client).
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -83,5 +86,37 @@ class Trainer(ABC):
         """Backend-specific row columns (numbers are averaged over ranks, the rest taken from rank 0)."""
         return {}
 
+    def named_full_parameters(self) -> dict[str, torch.Tensor] | None:
+        """Every parameter whole and named as in the single-process GPT (tp shards concatenated, ZeRO and
+        FSDP partitions gathered, pipeline stages merged), on rank 0; None on the other ranks. A
+        collective: call it on every rank. The parity tests compare these across layouts and backends."""
+        return on_rank0({name: t.detach().clone() for name, t in self.whole_stage_parameters()}, self.ctx.groups)
+
+    def whole_stage_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(GPT name, tensor) for each parameter of this rank's stages, whole across tp and data-parallel
+        partitions (collective where the backend must gather them). By default: the model's own."""
+        return iter(self.model.named_parameters())
+
     def close(self) -> None:
         pass
+
+
+def whole_over_tp(name: str, t: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """A native tensor-parallel shard of parameter `name` (or of its gradient) concatenated over the tp
+    group along the dimension the model splits it on; a replicated tensor as it is. Collective over tp."""
+    dim, tp = split_dim(name), groups.size("tp")
+    if dim is None or tp == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t.contiguous(), group=groups.tp)
+    return torch.cat(parts, dim=dim)
+
+
+def on_rank0(local: dict, groups: ProcessGroups) -> dict | None:
+    """The union, on rank 0, of the dicts of the ranks holding a whole copy of their stage (dp 0, tp 0);
+    None elsewhere. Collective over every rank."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local if groups.coord.dp == 0 and groups.coord.tp == 0 else {})
+    if groups.rank != 0:
+        return None
+    return {k: v for part in everyone for k, v in part.items()}

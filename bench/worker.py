@@ -14,6 +14,7 @@ import ctypes
 import resource
 import statistics
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -23,15 +24,15 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from bench.backends.registry import get_backend
 from bench.config import RunConfig, parse_fault
 from bench import device as bench_device
-from bench.distributed import ProcessGroups, setup_rank, shutdown
+from bench.distributed import ProcessGroups, rank_session
 from bench.layout import Layout
 from bench.metrics.comm import CommCounter
 from bench.metrics.flops import peak_flops
 from bench.metrics.memory import PeakMemory, state_bytes
 from bench.metrics.sync import HostSyncCounter
 from bench.metrics.timer import StepTimer
-from bench.results import format_exception, measured_row as make_row  # noqa: F401 - the row is built there
-from bench.training import ADAMW, RunContext
+from bench.results import RankResult, format_exception, measured_row as make_row  # noqa: F401 - the row is built there
+from bench.training import ADAMW, RunContext, Trainer
 
 
 # glibc hands freed memory back to the kernel: it trims the heap's top once 128 KiB lie free there and
@@ -56,19 +57,29 @@ def run(cfg: RunConfig, trace_dir: str | None = None) -> dict | None:
     """Run `cfg` on this rank (torch.distributed env already set). Returns the row on rank 0.
     `trace_dir`: where a profiled run (cfg.profile) writes its traces (bench.metrics.profile)."""
     keep_freed_memory()  # a Slurm task's rank starts here; a RankPool's already did (bench.spawn)
-    torch.manual_seed(cfg.seed)
-    device = setup_rank(cfg.device, cfg.timeout_s)
-    try:
-        groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
-        measured = _measure(cfg, RunContext(cfg, groups, device), trace_dir if cfg.profile else None)
+    with rank_session(cfg.device, cfg.timeout_s) as device:
+        with optimizer_faults(cfg.fault), trainer_on_rank(cfg, device) as (trainer, groups):
+            measured = _measure(cfg, trainer, groups, device, trace_dir if cfg.profile else None)
         ranks = [None] * groups.layout.world_size
         dist.all_gather_object(ranks, measured)
-        if groups.rank != 0:
-            return None
-        row = make_row(cfg, ranks, device)
-        return {**row, "trace_dir": trace_dir} if cfg.profile and trace_dir else row
+    if groups.rank != 0:
+        return None
+    row = make_row(cfg, ranks)
+    return {**row, "trace_dir": trace_dir} if cfg.profile and trace_dir else row
+
+
+@contextmanager
+def trainer_on_rank(cfg: RunConfig, device: torch.device) -> Iterator[tuple[Trainer, ProcessGroups]]:
+    """The one way a rank gets a config's trainer: seeded, on this config's own process groups (built on
+    the default group `setup_rank` made), by its backend's `build`; closed on leaving. The worker, the
+    parity harness, the tests and the benchmarks all enter it."""
+    torch.manual_seed(cfg.seed)
+    groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
+    trainer = get_backend(cfg.backend).build(RunContext(cfg, groups, device))
+    try:
+        yield trainer, groups
     finally:
-        shutdown()
+        trainer.close()
 
 
 def _inject_fault(cfg: RunConfig, rank: int) -> None:
@@ -110,7 +121,7 @@ def optimizer_faults(fault: str):
                   summed over replicas instead of averaged)
     lr_scale:K    runs the step at K × the learning rate (0: a run that does not train)
     sgd:LR        replaces the update by plain SGD, p ← p − LR · grad: unlike Adam's, scale-sensitive, so
-                  θ₀ − θ₁ is the gradient the optimizer applied (tests/parity.py compares it)"""
+                  θ₀ − θ₁ is the gradient the optimizer applied (tests/support/parity.py compares it)"""
     faults, handles = parse_fault(fault), []
     if "grad_scale" in faults:
         @torch.no_grad()
@@ -151,57 +162,49 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _measure(cfg: RunConfig, ctx: RunContext, trace_dir: str | None = None) -> dict:
+def _measure(cfg: RunConfig, trainer: Trainer, groups: ProcessGroups, device: torch.device,
+             trace_dir: str | None = None) -> RankResult:
     """This rank's measurements. Each step's batch is built before its timer starts, only `train` is
     timed, and the loss is read (the step's one host sync) after the timer stops. Instruments that
     would disturb a timed step run on extra, untimed steps: the trainer's own meter (e.g. the pipeline
     bubble), then the communication and host-sync counters."""
-    with optimizer_faults(cfg.fault):
-        return _measure_trainer(cfg, ctx, get_backend(cfg.backend).build(cfg, ctx), trace_dir)
-
-
-def _measure_trainer(cfg: RunConfig, ctx: RunContext, trainer, trace_dir: str | None = None) -> dict:
-    train = _with_fault(trainer.train, cfg, ctx.groups.rank) if cfg.fault != "none" else trainer.train
-    try:
-        losses, warmup_s = _warm_up(train, trainer, cfg, ctx.device)
-        timer, mem = StepTimer(ctx.device), PeakMemory(ctx.device)
-        with mem if mem.free else contextlib.nullcontext():
-            for step in range(cfg.warmup, cfg.warmup + cfg.steps):
-                batch = trainer.batch(step)
-                with timer:
-                    loss = train(batch)
-                losses.append(_value(loss))
-        state = state_bytes(trainer.state_tensors())
-        extra = cfg.warmup + cfg.steps
-        if not mem.free:  # a probe that slows its step watches an extra one, after a lead-in
-            batch = trainer.batch(extra)
-            with mem:
-                train(batch)
-                with mem.measured():
-                    train(batch)
-        meter = trainer.meter()
-        if meter is not None:
-            with meter:
-                train(trainer.batch(extra))
+    train = _with_fault(trainer.train, cfg, groups.rank) if cfg.fault != "none" else trainer.train
+    losses, warmup_s = _warm_up(train, trainer, cfg, device)
+    timer, mem = StepTimer(device), PeakMemory(device)
+    with mem if mem.free else contextlib.nullcontext():
+        for step in range(cfg.warmup, cfg.warmup + cfg.steps):
+            batch = trainer.batch(step)
+            with timer:
+                loss = train(batch)
+            losses.append(_value(loss))
+    state = state_bytes(trainer.state_tensors())
+    extra = cfg.warmup + cfg.steps
+    if not mem.free:  # a probe that slows its step watches an extra one, after a lead-in
         batch = trainer.batch(extra)
-        with CommCounter(dim_of=ctx.groups.dim_of) as counter, HostSyncCounter() as syncs:
+        with mem:
             train(batch)
-        extras = trainer.extras()
-        if cfg.compile:
-            extras["compile_s"] = compile_seconds(warmup_s, timer.times)
-        if trace_dir:  # last: the profiler's start-up and bookkeeping touch no other step
-            from bench.metrics.profile import StepProfile
-            batch = trainer.batch(extra)
-            with StepProfile(trace_dir, ctx.groups.rank, ctx.device):
+            with mem.measured():
                 train(batch)
-        return {"rank": ctx.groups.rank, "losses": losses, "times": timer.times, "peak_mem": mem.peak_bytes,
-                "peak_mem_reserved_bytes": mem.reserved_peak_bytes, "alloc_retries": mem.alloc_retries,
-                "host_syncs": syncs.total, "cuda_syncs": syncs.cuda_syncs,
-                "state": state, "comm": counter.totals(), "extras": extras,
-                "peak_flops": peak_flops(ctx.device, cfg.dtype) if ctx.groups.rank == 0 else None,
-                "device_name": bench_device.device_name(ctx.device)}
-    finally:
-        trainer.close()
+    meter = trainer.meter()
+    if meter is not None:
+        with meter:
+            train(trainer.batch(extra))
+    batch = trainer.batch(extra)
+    with CommCounter(dim_of=groups.dim_of) as counter, HostSyncCounter() as syncs:
+        train(batch)
+    extras = trainer.extras()
+    if cfg.compile:
+        extras["compile_s"] = compile_seconds(warmup_s, timer.times)
+    if trace_dir:  # last: the profiler's start-up and bookkeeping touch no other step
+        from bench.metrics.profile import StepProfile
+        batch = trainer.batch(extra)
+        with StepProfile(trace_dir, groups.rank, device):
+            train(batch)
+    return RankResult(rank=groups.rank, losses=losses, times=timer.times, peak_mem=mem.peak_bytes,
+                      peak_mem_reserved_bytes=mem.reserved_peak_bytes, alloc_retries=mem.alloc_retries,
+                      host_syncs=syncs.total, cuda_syncs=syncs.cuda_syncs, state=state, comm=counter.totals(),
+                      extras=extras, peak_flops=peak_flops(device, cfg.dtype) if groups.rank == 0 else None,
+                      device_name=bench_device.device_name(device))
 
 
 def _warm_up(train, trainer, cfg: RunConfig, device: torch.device) -> tuple[list[float], list[float]]:

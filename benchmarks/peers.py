@@ -108,7 +108,7 @@ def run_with_and_without_profile(args, out: Path) -> None:
     OUT/plain and OUT/profiled, round by round: repeat k of both before repeat k+1 of either."""
     from bench.sweep.runner import run_sweep
     from bench.sweep.spec import parse_sweep
-    from bench.sweep.store import load_results
+    from bench.results.store import load_results
     for k in range(args.repeats):
         for profile in (False, True):
             spec = parse_sweep(sweep_data(args, repeats=k + 1, profile=profile), source="benchmarks/peers.py")
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--summary", type=Path, default=None, help="only summarise the rows of a finished invocation")
     args = ap.parse_args()
-    from bench.sweep.store import load_results
+    from bench.results.store import load_results
     if args.summary:
         print_summary(summarise(load_results(args.summary)), "(re-read)")
         return

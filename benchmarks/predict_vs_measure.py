@@ -150,7 +150,7 @@ def main() -> None:
     print_table(cfgs, rows)
     print_memory_table(cfgs, rows)
     if args.out:
-        from bench.sweep.store import ResultStore
+        from bench.results.store import ResultStore
         store = ResultStore(args.out)
         for row in (row for config_rounds in rounds for row in config_rounds):
             store.write(row)

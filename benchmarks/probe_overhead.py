@@ -16,21 +16,21 @@ import time
 
 def _probe(cfg_dict: dict, rounds: int) -> dict | None:
     """Body of every rank (a RankPool call): step times of each variant, the slowest rank's on rank 0."""
+    from bench.config import RunConfig
+    from bench.distributed import rank_session
+    from bench.worker import trainer_on_rank
+    cfg = RunConfig.from_dict(cfg_dict)
+    with rank_session("cpu") as device, trainer_on_rank(cfg, device) as (trainer, groups):
+        return _probe_trainer(trainer, groups, rounds)
+
+
+def _probe_trainer(trainer, groups, rounds: int) -> dict | None:
     import torch
     import torch.distributed as dist
-    from bench.config import RunConfig
-    from bench.distributed import ProcessGroups, setup_rank, shutdown
-    from bench.layout import Layout
     from bench.metrics.comm import CommCounter
     from bench.metrics.sync import HostSyncCounter
     from bench.metrics.timer import StepTimer
-    from bench.native.engine import NativeTrainer
-    from bench.training import RunContext
-    cfg = RunConfig.from_dict(cfg_dict)
-    device = setup_rank("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
-    trainer = NativeTrainer(RunContext(cfg, groups, device))
     batch = trainer.batch(0)  # built once: the worker builds each step's batch outside the timer too
     for _ in range(2):
         trainer.train(batch)
@@ -52,7 +52,6 @@ def _probe(cfg_dict: dict, rounds: int) -> dict | None:
         timed("counter", CommCounter(dim_of=groups.dim_of), HostSyncCounter())
     slowest = [None] * world
     dist.all_gather_object(slowest, times)
-    shutdown()
     return {k: [max(t[k][i] for t in slowest) for i in range(rounds)] for k in times} if rank == 0 else None
 
 

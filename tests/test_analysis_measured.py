@@ -113,10 +113,9 @@ def _count_functional_collectives_on_rank(n: int) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from bench.distributed import setup_rank, shutdown
+    from bench.distributed import rank_session
     from bench.metrics.comm import CommCounter
-    setup_rank("cpu")
-    try:
+    with rank_session("cpu"):
         world, rank = dist.get_world_size(), dist.get_rank()
         x = torch.full((n,), float(rank + 1))
         with CommCounter(dim_of=lambda ranks: "dp") as counter:
@@ -127,8 +126,6 @@ def _count_functional_collectives_on_rank(n: int) -> dict:
         return {"values": values, "counted": {kind: (s.ops, s.bytes, s.wire_bytes)
                                                for (dim, kind), s in counter.stats.items() if dim == "dp"},
                 "dims": sorted({dim for dim, _ in counter.stats})}
-    finally:
-        shutdown()
 
 
 def test_counter_counts_functional_collectives_by_the_payload_convention(pools):

@@ -17,7 +17,7 @@ import pytest
 from bench.cli import app, main
 from bench.config import RunConfig, field_reason
 from bench.results import skipped_row
-from bench.sweep.store import ResultStore
+from bench.results.store import ResultStore
 
 INPUTS = Path(__file__).resolve().parent / "bad_inputs"
 BAD_VALUES = ("0", "-1", "nan", "inf", "1e30", "abc", "true")

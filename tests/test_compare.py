@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from bench.report.compare import compare, judge, prediction_mismatches
-from report_runs import result_sets
+from support.report_runs import result_sets
 
 
 # --- the statistics, fed by hand -----------------------------------------------------------------

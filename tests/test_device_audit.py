@@ -21,19 +21,17 @@ CONFIGS = {
 
 
 def _audited(cfg_dicts: list[dict]) -> list[list[tuple]]:
-    from parity import _default_group, _with_trainer
+    from bench.distributed import rank_session
+    from bench.worker import trainer_on_rank
     from support.device_audit import ImplicitDeviceAudit
 
-    def train(cfg, trainer, groups):
-        for step in range(2):
-            trainer.train(trainer.batch(step))
-
     found = []
-    with _default_group():
+    with rank_session("cpu") as device:
         for cfg_dict in cfg_dicts:
             audit = ImplicitDeviceAudit()
-            with audit:
-                _with_trainer(RunConfig.from_dict(cfg_dict), train)
+            with audit, trainer_on_rank(RunConfig.from_dict(cfg_dict), device) as (trainer, _):
+                for step in range(2):
+                    trainer.train(trainer.batch(step))
             found.append(sorted(set(audit.found)))
     return found
 

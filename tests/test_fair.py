@@ -11,7 +11,7 @@ from bench.report.compare import judge
 from bench.report.render import build_report
 from bench.sweep.runner import run_sweep
 from bench.sweep.spec import SweepError, expand, parse_sweep
-from bench.sweep.store import load_results
+from bench.results.store import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
 

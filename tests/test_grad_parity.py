@@ -5,7 +5,7 @@ every gradient by 2 moves the 3-step loss by < 1e-7 relative). So every layout h
 plain SGD from the reference weights (the test-only fault `sgd:1`, applied through torch's optimizer
 step hooks that every backend goes through, DeepSpeed's client optimizer included), and
 θ₀ − θ₁ — the gradient the optimizer really applied, after tp/pp/dp reduction and ZeRO/FSDP
-partitioning, reassembled whole on rank 0 (tests/parity.py) — must equal the single-process step-1
+partitioning, reassembled whole on rank 0 (tests/support/parity.py) — must equal the single-process step-1
 gradient under the native tests' assert_close(rtol=1e-4, atol=1e-6).
 
 DeepSpeed also exposes its reduced gradient: `deepspeed.utils.safe_get_full_grad` at its optimizer
@@ -19,7 +19,7 @@ All configs of one world size run in one pool call (tiny model, global batch 4, 
 import pytest
 
 from bench.config import RunConfig
-from parity import applied_gradients, deepspeed_gradients, gradient_mismatches, reference
+from support.parity import applied_gradients, deepspeed_gradients, gradient_mismatches, reference
 
 RUN = dict(model="tiny", steps=1, warmup=0)
 PLANT = "grad_scale:2"

@@ -83,6 +83,63 @@ def test_no_import_cycle_in_bench_and_models():
     assert find_cycle(graph) is None, " → ".join(find_cycle(graph))
 
 
+# The floors of the house, bottom first (docs/architecture.md draws them). A unit is a package of bench/
+# (bench.analysis) or a top-level module (bench.config); models/ is one unit. Arrows between units go
+# down or stay on their floor, and the unit graph has no cycle: a floor never reaches up.
+FLOORS = (
+    ("conventions", {"bench", "models", "bench.conventions", "bench.device", "bench.layout", "bench.schedule",
+                     "bench.environment", "bench.data"}),
+    ("declarations", {"bench.config", "bench.capabilities", "bench.typed_yaml", "bench.results"}),
+    ("models of cost and meters", {"bench.analysis", "bench.metrics"}),
+    ("the ranks", {"bench.distributed", "bench.surgery", "bench.loss_scale", "bench.training", "bench.native",
+                   "bench.backends", "bench.worker", "bench.spawn", "bench.calibrate"}),
+    ("orchestration", {"bench.sweep", "bench.report"}),
+    ("commands", {"bench.cli"}),
+)
+
+
+def unit(module: str) -> str:
+    return "models" if module.split(".")[0] == "models" else ".".join(module.split(".")[:2])
+
+
+def unit_graph() -> dict[str, set[str]]:
+    mods = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        graph.setdefault(unit(name), set()).update(unit(t) for t in imports(name, path, set(mods)) if unit(t) != unit(name))
+    return graph
+
+
+def floor_of(name: str) -> int:
+    return next(i for i, (_, units) in enumerate(FLOORS) if name in units)
+
+
+def test_every_unit_lives_on_one_floor():
+    placed = [u for _, units in FLOORS for u in units]
+    assert len(placed) == len(set(placed)), "a unit on two floors"
+    assert set(unit_graph()) - set(placed) == set(), "place each new package or module on a floor in FLOORS"
+
+
+def test_the_package_graph_has_no_cycle_and_every_arrow_goes_down():
+    graph = unit_graph()
+    assert find_cycle(graph) is None, " → ".join(find_cycle(graph))
+    upward = sorted(f"{a} ({FLOORS[floor_of(a)][0]}) → {b} ({FLOORS[floor_of(b)][0]})"
+                    for a, targets in graph.items() for b in targets if floor_of(b) > floor_of(a))
+    assert upward == []
+
+
+def test_the_floor_check_finds_an_upward_arrow():
+    graph = {"bench.analysis": {"bench.backends"}}  # the cost model importing an engine: the knot this test prevents
+    assert [b for a, t in graph.items() for b in t if floor_of(b) > floor_of(a)] == ["bench.backends"]
+
+
+def test_the_floors_are_drawn_in_the_architecture_page():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [f"{name}: {u}" for name, units in FLOORS for u in sorted(units)
+               if u != "models" and u.removeprefix("bench.") not in page]
+    assert all(name in page for name, _ in FLOORS) and missing == []
+
+
 NO_TORCH = textwrap.dedent("""
     import importlib.abc, sys
 

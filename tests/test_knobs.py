@@ -30,7 +30,7 @@ from bench.loss_scale import LossScaler, optimizer_step
 from bench.surgery import apply_recompute
 from bench.training import make_optimizer
 from models import build_model, loss_fn
-from parity import reference, run_layouts
+from support.parity import reference, run_layouts
 
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-6  # tests/test_native.py's parity tolerance
 COMPILE_RTOL, COMPILE_ATOL = 1e-4, 1e-5
@@ -270,18 +270,15 @@ def test_scaler_skips_an_overflowing_step_and_backs_off_then_grows():
 
 def _vote_on_rank(plant_on: int) -> tuple[bool, float, int]:
     import torch.distributed as dist
-    from bench.distributed import setup_rank, shutdown
-    setup_rank("cpu")
-    rank = dist.get_rank()
-    try:
+    from bench.distributed import rank_session
+    with rank_session("cpu"):
+        rank = dist.get_rank()
         scaler = LossScaler(group=dist.group.WORLD, init_scale=8.0)
         model = _model_and_grads(scaler, step=rank)
         if rank == plant_on:
             next(model.parameters()).grad.view(-1)[0] = float("nan")
         stepped = scaler.step(make_optimizer(model.parameters()))
         return stepped, scaler.scale, scaler.skipped
-    finally:
-        shutdown()
 
 
 def test_scaler_ranks_agree_on_skipping(pools):
@@ -294,16 +291,10 @@ def _train_with_scaler_on_rank(cfg_dict: dict, init_scale: float, backoff: float
     """A backend's trainer on CPU fp32 with the scaler its fp16-mixed __init__ would make on CUDA (fp16 is
     refused on CPU): the trainer's own loss scaling, unscaling, vote and skip."""
     import torch.distributed as dist
-    from bench.backends.registry import get_backend
-    from bench.distributed import ProcessGroups, setup_rank, shutdown
-    from bench.layout import Layout
-    from bench.training import RunContext
-    setup_rank("cpu")
-    rank = dist.get_rank()
-    try:
-        cfg = RunConfig.from_dict(cfg_dict)
-        groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
-        trainer = get_backend(cfg.backend).build(cfg, RunContext(cfg, groups, torch.device("cpu")))
+    from bench.distributed import rank_session
+    from bench.worker import trainer_on_rank
+    cfg = RunConfig.from_dict(cfg_dict)
+    with rank_session("cpu") as device, trainer_on_rank(cfg, device) as (trainer, groups):
         trainer.scaler = LossScaler(group=dist.group.WORLD, init_scale=init_scale, backoff_factor=backoff)
         losses = []
         for step in range(steps):
@@ -311,11 +302,7 @@ def _train_with_scaler_on_rank(cfg_dict: dict, init_scale: float, backoff: float
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, None if loss is None else loss.item())
             losses.append(sum(v for v in every if v is not None) / sum(v is not None for v in every))
-        result = (losses, trainer.extras()["skipped_steps"], trainer.scaler.scale)
-        trainer.close()
-        return result
-    finally:
-        shutdown()
+        return losses, trainer.extras()["skipped_steps"], trainer.scaler.scale
 
 
 @pytest.mark.parametrize("kw", [dict(backend="native", pp=2, micro_batches=2), dict(backend="ddp", dp=2),
@@ -338,29 +325,21 @@ def _scaler_groups_on_rank(cfg_dicts: list[dict]) -> list[str]:
     """Each config's trainer as its backend builds it for fp16-mixed (a CUDA config, built on this CPU rank:
     only construction, no fp16 step): which ranks its scaler makes vote on skipping."""
     import torch.distributed as dist
-    from bench.backends.registry import get_backend
-    from bench.distributed import ProcessGroups, setup_rank, shutdown
-    from bench.layout import Layout
-    from bench.training import RunContext
-    setup_rank("cpu")
-    try:
-        out = []
+    from bench.distributed import rank_session
+    from bench.worker import trainer_on_rank
+    out = []
+    with rank_session("cpu") as device:
         for cfg_dict in cfg_dicts:
-            cfg = RunConfig.from_dict(cfg_dict)
-            groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
-            trainer = get_backend(cfg.backend).build(cfg, RunContext(cfg, groups, torch.device("cpu")))
-            scaler = trainer.scaler
-            if scaler is None:
-                out.append("no scaler")
-            elif scaler.group is None:
-                out.append("this rank alone")
-            else:
-                out.append("world" if scaler.group is dist.group.WORLD else
-                           f"group {dist.get_process_group_ranks(scaler.group)}")
-            trainer.close()
-        return out
-    finally:
-        shutdown()
+            with trainer_on_rank(RunConfig.from_dict(cfg_dict), device) as (trainer, groups):
+                scaler = trainer.scaler
+                if scaler is None:
+                    out.append("no scaler")
+                elif scaler.group is None:
+                    out.append("this rank alone")
+                else:
+                    out.append("world" if scaler.group is dist.group.WORLD else
+                               f"group {dist.get_process_group_ranks(scaler.group)}")
+    return out
 
 
 SCALER_VOTES = [  # (trainer, who votes on skipping): every rank whose gradients are not every rank's

@@ -4,7 +4,7 @@ tests/test_schedule.py).
 Parity: every layout reproduces the single-process reference — loss after 3 steps within 1e-5
 relative; step-1 gradients of every parameter (reassembled from shards; not under ZeRO-1, whose
 reduced gradients are the optimizer's shards) and, for every layout ZeRO-1 included, the gradient one
-plain-SGD step applied (tests/parity.py), both under assert_close(rtol=1e-4, atol=1e-6) — and its
+plain-SGD step applied (tests/support/parity.py), both under assert_close(rtol=1e-4, atol=1e-6) — and its
 counted communication equals `expected_comm`.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from bench.config import ConfigError, RunConfig
 from bench.schedule import partition
 from bench.spawn import RankPool
-from parity import gradient_mismatches, reference, run_layouts
+from support.parity import gradient_mismatches, reference, run_layouts
 
 # --- the communication formulas (per rank per optimizer step, payload bytes; fp32) -------------------
 

@@ -9,8 +9,8 @@ import pytest
 
 from bench.report.render import build_report
 from bench.results import skipped_row
-from browser import probe, require_chromium, screenshot
-from report_runs import CONFIGS, FAILING, result_sets
+from support.browser import probe, require_chromium, screenshot
+from support.report_runs import CONFIGS, FAILING, result_sets
 
 FIGURES = ("throughput_heatmap", "backend_comparison", "memory_breakdown", "comm_breakdown", "predicted_time")
 
@@ -125,7 +125,7 @@ def test_report_of_a_hundred_configs(sets, tmp_path):
 @pytest.mark.slow
 def test_report_of_a_hundred_real_runs(pools, tmp_path):
     from bench.config import RunConfig
-    from report_runs import write_rows
+    from support.report_runs import write_rows
     configs = [RunConfig(model="tiny", dp=dp, micro_batches=m, seed=s, steps=2, warmup=0)
                for dp in (1, 2) for m in (1, 2) for s in range(25)]
     out = write_rows([pools(c.world).run(c) for c in configs], tmp_path / "runs")

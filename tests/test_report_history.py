@@ -2,7 +2,7 @@
 import pytest
 
 from bench.report.history import add, read, series, step_changes
-from report_runs import result_sets
+from support.report_runs import result_sets
 
 
 def test_step_changes_by_hand():

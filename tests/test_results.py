@@ -12,9 +12,9 @@ import torch
 from bench.config import RunConfig
 from bench.report import compare
 from bench.results import (ALWAYS, COLUMNS, EXACT, NOISY, Compare, Kind, Status, comm_columns, failure_row,
-                           markdown_table, measured_row, skipped_row)
+                           markdown_table, measured_row, skipped_row, RankResult)
 from bench.sweep.spec import expand, load_sweep
-from bench.sweep.store import to_dataframe
+from bench.results.store import to_dataframe
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "results" / "baselines" / "quickstart"
@@ -81,10 +81,10 @@ def test_failure_and_skipped_rows_keep_the_config_and_say_why():
     assert set(ALWAYS) <= set(df.columns) and str(df["tp"].dtype) == "Int64"
 
 
-def _rank(rank: int, peak: int, comm: dict, losses: list, extras: dict) -> dict:
-    return {"rank": rank, "losses": losses, "times": [0.1 * (rank + 1), 0.2, 0.3], "peak_mem": peak,
-            "state": {"params": 10 * (rank + 1), "grads": 10, "optimizer": 20}, "comm": comm, "extras": extras,
-            "peak_flops": (1e12, "test") if rank == 0 else None, "device_name": "cpu"}
+def _rank(rank: int, peak: int, comm: dict, losses: list, extras: dict) -> RankResult:
+    return RankResult(rank=rank, losses=losses, times=[0.1 * (rank + 1), 0.2, 0.3], peak_mem=peak,
+                      state={"params": 10 * (rank + 1), "grads": 10, "optimizer": 20}, comm=comm, extras=extras,
+                      peak_flops=(1e12, "test") if rank == 0 else None, device_name="cpu")
 
 
 def test_measured_row_aggregates_ranks_as_declared():
@@ -92,7 +92,7 @@ def test_measured_row_aggregates_ranks_as_declared():
     ranks = [_rank(0, 100, {"comm_bytes_pp": 8.0, "comm_pp_send_bytes": 8.0}, [None, None, None],
                    {"bubble_fraction": 0.2, "stage_layers": "[1, 1]", "tp_impl": "native"}),
              _rank(1, 300, {}, [2.0, 1.5, 1.0], {"bubble_fraction": 0.4, "stage_layers": "[9]", "tp_impl": "x"})]
-    row = measured_row(cfg, ranks, torch.device("cpu"))
+    row = measured_row(cfg, ranks)
     assert row["status"] == "ok" and row["error"] is None
     assert row["peak_mem_bytes"] == 300 and json.loads(row["peak_mem_bytes_per_rank"]) == [100, 300]  # max
     assert row["params_bytes"] == 20 and row["persistent_bytes"] == 50  # max over ranks

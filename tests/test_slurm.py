@@ -68,7 +68,7 @@ launcher: {kind: slurm, profile: local}
 
 
 def _rows(out):
-    from bench.sweep.store import load_results
+    from bench.results.store import load_results
     return load_results(out)
 
 
@@ -84,7 +84,7 @@ def test_two_rank_run_on_slurm(slurm_sweep):
 def test_each_row_is_written_once_by_whoever_knows_it(slurm_sweep):
     """An ok row is stored by its job's rank 0 (with the sweep's columns and its wall time) and the sweep
     reports that very row; the failed one is stored by the sweep, which saw the job end."""
-    from bench.sweep.store import ResultStore
+    from bench.results.store import ResultStore
     stored = {r["run_id"]: r for r in ResultStore(slurm_sweep["out"]).rows()}
     for row in slurm_sweep["outcome"].rows:
         on_disk = stored[row["run_id"]]

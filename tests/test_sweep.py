@@ -15,7 +15,7 @@ import pytest
 from bench.config import RunConfig
 from bench.results import Status
 from bench.sweep.spec import SweepError, expand, load_sweep, parse_sweep
-from bench.sweep.store import SCHEMA_VERSION, load_results
+from bench.results.store import SCHEMA_VERSION, load_results
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = str(Path(sys.executable).parent / "bench")  # the installed entry point
@@ -395,7 +395,7 @@ def test_a_row_write_cut_off_half_way_shows_no_partial_row(tmp_path, monkeypatch
     """The store writes to a temporary name and renames: a reader listing runs/ while a row is being written
     (or after the writer died half-way) sees the previous row or none, never a truncated one."""
     from bench.results import skipped_row
-    from bench.sweep.store import ResultStore, read_row
+    from bench.results.store import ResultStore, read_row
     store = ResultStore(tmp_path / "out")
     old = store.write(skipped_row(RunConfig(seed=0), "first attempt"))
     seen = []

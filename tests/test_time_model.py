@@ -114,10 +114,10 @@ COPYING = [dict(backend="native"), dict(backend="ddp"), dict(backend="fsdp", fsd
 def test_backend_copy_bytes_are_what_the_backends_copy(pools, world):
     """The time model's gradient upkeep and backend copies (step_upkeep: DDP's bucket copies, FSDP2's and
     ZeRO-3's gather copy-in/out, DeepSpeed's flatten, average and partition copies) against the bytes
-    the backends' copy kernels move in one step, counted under TorchDispatchMode (tests/copies.py), at
+    the backends' copy kernels move in one step, counted under TorchDispatchMode (tests/support/copies.py), at
     1 and 2 micro-batches: each backend's excess over the native engine's, within 3 % of its total.
     Tiny model: every ZeRO-3 parameter persists whole, so its gathers are the small model's, below."""
-    from copies import step_copy_bytes
+    from support.copies import step_copy_bytes
     cfgs = [RunConfig(model="tiny", dp=world, micro_batches=m, device="cpu", **kw) for m in (1, 2) for kw in COPYING]
     if world == 4:  # the 1/n terms; the m = 2 half of them
         cfgs = [c for c in cfgs if c.micro_batches == 2]
@@ -132,7 +132,7 @@ def test_backend_copy_bytes_are_what_the_backends_copy(pools, world):
 
 def test_zero3_gather_copies_are_counted(pools):
     """ZeRO-3 on the small model (its blocks' weights partitioned and gathered every micro-batch)."""
-    from copies import step_copy_bytes
+    from support.copies import step_copy_bytes
     cfgs = [RunConfig(model="small", dp=2, device="cpu", **kw) for kw in (COPYING[0], COPYING[-1])]
     native, zero3 = step_copy_bytes(pools(2), cfgs)
     (pred, n), (pred_native, _) = _upkeep_bytes(cfgs[1]), _upkeep_bytes(cfgs[0])

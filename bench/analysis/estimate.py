@@ -221,3 +221,13 @@ def prediction_error(row: dict) -> dict:
     if pred and measured:
         out["pred_peak_mem_error"] = pred / measured - 1
     return out
+
+
+def with_predictions(cfg, row: dict) -> dict:
+    """A measured row with its pred_* columns and errors beside the measured ones. Added by whoever receives
+    the row from the ranks (the rank pool, the debug launcher, a Slurm task), after the ranks have finished,
+    so the cost model never runs inside a rank's measurement."""
+    if row.get("status") != "ok":
+        return row
+    row = {**row, **predict_row(cfg, row.get("device_name"))}
+    return {**row, **prediction_error(row)}

@@ -48,5 +48,5 @@ class DDPTrainer(Trainer):
         return {"dp_impl": "torch DDP", **({"skipped_steps": self.scaler.skipped} if self.scaler else {})}
 
 
-def build(cfg, ctx: RunContext) -> Trainer:
+def build(ctx: RunContext) -> Trainer:
     return DDPTrainer(ctx)

@@ -34,17 +34,26 @@ from bench.device import comm_backend
 from bench.distributed import ProcessGroups
 from bench.metrics.memory import optimizer_tensors
 from bench.surgery import fill_from_init, materialize, meta_module, transform_blocks
-from bench.training import Batch, RunContext, Trainer, make_optimizer
+from bench.training import Batch, RunContext, Trainer, make_optimizer, whole_over_tp
 from models import GPT, loss_fn
 
 # Our dims → DeepSpeed's topology axis names.
 _AXIS = {"tp": "model", "pp": "pipe", "dp": "data"}
 
 
-def build(cfg, ctx: RunContext) -> Trainer:
+def gpt_name(name: str, pp: int) -> str:
+    """The single-process GPT's name of a parameter of DeepSpeed's module: a PipelineModule (pp > 1)
+    names it `<layer index>.<piece name>…`, the pieces' own names being the GPT's (blocks under their index)."""
+    if pp == 1:
+        return name
+    rest = name.split(".", 1)[1]
+    return f"blocks.{rest}" if rest[0].isdigit() else rest
+
+
+def build(ctx: RunContext) -> Trainer:
     ds = _import_deepspeed(ctx)
-    config = final_config(cfg)
-    if cfg.pp > 1:
+    config = final_config(ctx.cfg)
+    if ctx.cfg.pp > 1:
         return PipelineTrainer(ds, ctx, config)
     return ZeroTrainer(ds, ctx, config)
 
@@ -205,6 +214,17 @@ class _DeepSpeedTrainer(Trainer):
         if self._comms_step:  # comms logger on (ds_set comms_logger.enabled=true): the last step's record
             out["ds_comms_logger"] = json.dumps(self._comms_step, sort_keys=True)
         return out
+
+    def whole_stage_parameters(self):
+        """ZeRO ≤ 2 keeps whole parameters in the module; ZeRO-3's partitions are gathered. Under tp the
+        blocks are the native engine's tp layers, whose shards are concatenated."""
+        named, cfg = list(self.engine.module.named_parameters()), self.ctx.cfg
+        if cfg.zero == 3:
+            with self.ds.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+                named = [(n, p.detach().clone()) for n, p in named]
+        for name, p in named:
+            gpt = gpt_name(name, cfg.pp)
+            yield gpt, whole_over_tp(gpt, p.detach(), self.ctx.groups)
 
     def close(self) -> None:
         engine = getattr(self, "engine", None)

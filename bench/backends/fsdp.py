@@ -238,9 +238,13 @@ class FSDPTrainer(Trainer):
                 "pp_impl": f"torch.distributed.pipelining {cfg.schedule}" if cfg.pp > 1 else None,
                 **({"skipped_steps": self.scaler.skipped} if self.scaler else {})}
 
+    def whole_stage_parameters(self):
+        for chunk in self.chunks:  # DTensors over the dp (and tp) mesh: full_tensor gathers both
+            yield from ((n, p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in chunk.named_parameters())
+
     def close(self) -> None:
         reset_dtensor_caches()  # the next run in this process gets new groups
 
 
-def build(cfg, ctx: RunContext) -> Trainer:
+def build(ctx: RunContext) -> Trainer:
     return FSDPTrainer(ctx)

@@ -1,4 +1,4 @@
-"""Backend registry: a name → the module whose `build(cfg, ctx)` makes its trainer.
+"""Backend registry: a name → the module whose `build(ctx)` makes its trainer.
 
 What each backend can run is declared in bench/capabilities.py (pure data, no torch); validation
 never needs this module. `build` imports the backend only inside a rank.
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from bench.capabilities import BACKENDS
 
 if TYPE_CHECKING:
-    from bench.config import RunConfig
+    from bench.training import RunContext
 
 
 @dataclass(frozen=True)
@@ -20,8 +20,8 @@ class Backend:
     name: str
     module: str
 
-    def build(self, cfg: "RunConfig", ctx):
-        return importlib.import_module(self.module).build(cfg, ctx)
+    def build(self, ctx: "RunContext"):
+        return importlib.import_module(self.module).build(ctx)
 
 
 REGISTRY: dict[str, Backend] = {

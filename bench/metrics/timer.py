@@ -7,11 +7,10 @@ when `times` is first asked for. CPU: the same events read the wall clock (nothi
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from bench import device as bench_device
+from bench.results.rows import step_time_summary
 
 
 class StepTimer:
@@ -42,8 +41,4 @@ class StepTimer:
         return False
 
     def summary(self) -> dict[str, float]:
-        times = self.times
-        if not times:
-            return {}
-        q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
-        return {"step_time_s": statistics.median(times), "step_time_p10_s": q[0], "step_time_p90_s": q[-1]}
+        return step_time_summary(self.times)

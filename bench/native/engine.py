@@ -17,7 +17,7 @@ from bench.native.pipeline import Pipeline, stage_layers_json
 from bench.native.tensor import apply_tensor_parallel
 from bench.schedule import partition, rank_chunks
 from bench.surgery import Stage, cut_stages, materialize, transform_blocks
-from bench.training import Batch, RunContext, Trainer, make_optimizer
+from bench.training import Batch, RunContext, Trainer, make_optimizer, on_rank0, whole_over_tp
 from models import GPT
 
 
@@ -73,6 +73,17 @@ class NativeTrainer(Trainer):
     def meter(self):
         return self.par.pipeline.meter.metering()  # busy/idle around every compute section
 
+    def whole_stage_parameters(self):
+        for chunk in self.par.chunks:
+            yield from ((name, whole_over_tp(name, p.detach(), self.ctx.groups)) for name, p in chunk.named_parameters())
+
+    def named_full_gradients(self) -> dict[str, torch.Tensor] | None:
+        """Every parameter's reduced gradient whole, as `named_full_parameters` (outside ZeRO-1, whose
+        reduced gradients are the optimizer's shards). A collective."""
+        grads = {name: whole_over_tp(name, p.grad.detach(), self.ctx.groups).clone()
+                 for chunk in self.par.chunks for name, p in chunk.named_parameters()}
+        return on_rank0(grads, self.ctx.groups)
+
     def extras(self) -> dict:
         return {"bubble_fraction": self.par.pipeline.meter.fraction,
                 "stage_layers": stage_layers_json(self.par.parts),
@@ -80,5 +91,5 @@ class NativeTrainer(Trainer):
                 "tp_impl": "native", **({"skipped_steps": self.scaler.skipped} if self.scaler else {})}
 
 
-def build(cfg, ctx: RunContext) -> Trainer:
+def build(ctx: RunContext) -> Trainer:
     return NativeTrainer(ctx)

@@ -22,10 +22,8 @@ from bench.results import Status, comm_column  # noqa: E402
 
 PALETTE = "colorblind"
 MAX_BARS = 16  # configs per breakdown figure: the best by tokens/s (more is unreadable)
-PRED_MEMORY = {"params": ("pred_params_bytes", "pred_param_bytes"),
-               "grads": ("pred_grads_bytes", "pred_grad_bytes"),
-               "optimizer": ("pred_optimizer_bytes", "pred_optim_bytes"),
-               "activations": ("pred_activation_bytes", "pred_activations_bytes")}
+PRED_MEMORY = {"params": "pred_params_bytes", "grads": "pred_grads_bytes", "optimizer": "pred_optimizer_bytes",
+               "activations": "pred_activation_bytes"}
 
 
 def theme() -> None:
@@ -154,7 +152,7 @@ def memory_breakdown(df: pd.DataFrame):
     ok = ok_runs(df, "params_bytes", "tokens_per_s")
     if ok.empty:
         return "no successful run with measured model-state bytes (params_bytes)"
-    pred_cols = {part: next((c for c in names if c in ok), None) for part, names in PRED_MEMORY.items()}
+    pred_cols = {part: name if name in ok else None for part, name in PRED_MEMORY.items()}
     have_pred = any(pred_cols.values())
     measured = {"params": "params_bytes", "grads": "grads_bytes", "optimizer": "optimizer_bytes",
                 "activations": "peak_mem_bytes"}

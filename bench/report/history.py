@@ -11,7 +11,7 @@ import pandas as pd
 
 from bench.report.load import check_frame
 from bench.results import Status, label
-from bench.sweep.store import read_parquet
+from bench.results.store import read_parquet
 
 DEFAULT_PATH = Path("results/history.parquet")
 

@@ -1,6 +1,6 @@
 """Result sets in, one dataframe out: sweep folders, parquet files or single run JSON files.
 
-The sweep store (`bench.sweep.store.load_results`) owns the schema and its check; this module only
+The sweep store (`bench.results.store.load_results`) owns the schema and its check; this module only
 adds an internal fallback for plain run JSON files and turns every way input can be wrong into a
 one-line message that names the path and the fix (the CLI prints it; never a traceback).
 """
@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import pandas as pd
+
+from bench.results.store import CorruptRow, load_results, read_row, row_problem, to_dataframe
 
 REQUIRED = ("run_id", "config_id", "status")
 
@@ -34,7 +36,7 @@ def load_one(path: Path) -> pd.DataFrame:
         raise FileNotFoundError(f"{path}: no such file or folder (give a sweep output folder, "
                                 "a results.parquet or a run JSON file)")
     try:
-        df = _store_loader()(path) if _store_loader() and path.suffix != ".json" else _fallback(path)
+        df = _json_rows(path) if path.suffix == ".json" else load_results(path)
     except (FileNotFoundError, ValueError):
         raise
     except Exception as e:  # noqa: BLE001 - pyarrow/JSON errors of a broken file become one line
@@ -52,33 +54,8 @@ def check_frame(df: pd.DataFrame, path) -> pd.DataFrame:
     return df
 
 
-def _store_loader():
-    try:
-        from bench.sweep.store import load_results
-    except ImportError:
-        return None
-    return load_results
-
-
-def _fallback(path: Path) -> pd.DataFrame:
-    """Minimal reader for run JSON files (one row each) and parquet files; no schema of its own."""
-    if path.is_dir():
-        parquet = path / "results.parquet"
-        if parquet.exists():
-            return pd.read_parquet(parquet)
-        files = sorted((path / "runs").glob("*.json")) or sorted(path.glob("*.json"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no results.parquet and no runs/*.json inside; "
-                                    "is this a `bench sweep` output folder?")
-        return pd.DataFrame([json.loads(f.read_text()) for f in files])
-    if path.suffix == ".json":
-        return _json_rows(path)
-    return pd.read_parquet(path)
-
-
 def _json_rows(path: Path) -> pd.DataFrame:
     """A run JSON file: one row, or a list of rows; each checked as the store checks its files."""
-    from bench.sweep.store import CorruptRow, read_row, row_problem, to_dataframe
     if path.is_dir():
         raise ValueError(f"{path}: a folder named .json; give a sweep output folder or a run JSON file")
     data, reason = read_row(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import statistics
 import traceback
+from dataclasses import dataclass
 
 from bench.config import DEFAULTS, ConfigError, RunConfig, _digest, model_config
 from bench.environment import environment
@@ -69,50 +70,77 @@ def format_exception(exc: BaseException) -> str:
 # --- the measured row ---------------------------------------------------------------------------------------
 
 
-def measured_row(cfg: RunConfig, ranks: list[dict], device) -> dict:
-    """The row of a run that finished, from every rank's measurements (the dicts of worker._measure:
-    losses, times, peak_mem, state, comm, extras, peak_flops on rank 0, device_name)."""
-    from bench.analysis.estimate import prediction_error, predict_row
-    from bench.metrics.timer import StepTimer
+@dataclass
+class RankResult:
+    """What one rank measured in a run (bench/worker.py), gathered on rank 0 into the row."""
+
+    rank: int
+    losses: list[float | None]
+    """The loss of every step (warm-up first); None on a rank that computes none (not a last stage)."""
+    times: list[float]
+    """Seconds of every timed step."""
+    peak_mem: int
+    """Peak allocated bytes of a step beyond what was allocated before it."""
+    state: dict[str, int]
+    """Bytes of parameters, gradients and optimizer state kept between steps (params, grads, optimizer)."""
+    comm: dict[str, float]
+    """The communication counter's columns for one step."""
+    extras: dict
+    """The backend's own columns (Trainer.extras)."""
+    device_name: str
+    peak_flops: tuple[float, str] | None = None
+    """The MFU denominator and its source; rank 0 only."""
+    peak_mem_reserved_bytes: int | None = None
+    alloc_retries: int | None = None
+    host_syncs: int | None = None
+    cuda_syncs: int | None = None
+
+
+def measured_row(cfg: RunConfig, ranks: list[RankResult]) -> dict:
+    """The row of a run that finished, from every rank's measurements."""
     from models import count_params, flops_per_token
-    timer = StepTimer(device)
-    timer.times = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]  # slowest rank
-    timing = timer.summary()
+    timing = step_time_summary([max(r.times[i] for r in ranks) for i in range(len(ranks[0].times))])  # slowest rank
     step_s = timing["step_time_s"]
     flops_step = flops_per_token(cfg.model_config, cfg.seq) * cfg.tokens_per_step
-    peak, peak_src = ranks[0]["peak_flops"]
+    peak, peak_src = ranks[0].peak_flops
     losses = _replica_losses(ranks)
     row = {**_row(cfg.to_row(), Status.OK, None), "params": count_params(cfg.model_config), **timing,
            "tokens_per_s": cfg.tokens_per_step / step_s,
            "tflops_per_device": flops_step / step_s / cfg.world / 1e12,
            "peak_flops": peak, "peak_flops_source": peak_src,
-           "peak_mem_bytes": over_ranks("peak_mem_bytes", [r["peak_mem"] for r in ranks]),
-           "peak_mem_bytes_per_rank": json.dumps([r["peak_mem"] for r in ranks]),
+           "peak_mem_bytes": over_ranks("peak_mem_bytes", [r.peak_mem for r in ranks]),
+           "peak_mem_bytes_per_rank": json.dumps([r.peak_mem for r in ranks]),
            "loss_first": losses[0], "loss_last": losses[-1], "losses": json.dumps(losses),
-           "device_name": ranks[0]["device_name"]}
+           "device_name": ranks[0].device_name}
     row["mfu"] = row["tflops_per_device"] * 1e12 / peak
     for name, key in (("peak_mem_reserved_bytes", "peak_mem_reserved_bytes"), ("alloc_retries", "alloc_retries"),
                       ("host_syncs_per_step", "host_syncs"), ("cuda_syncs_per_step", "cuda_syncs")):
-        values = [r[key] for r in ranks if r.get(key) is not None]  # None on CPU for the CUDA-only probes
+        values = [getattr(r, key) for r in ranks if getattr(r, key) is not None]  # None on CPU: CUDA-only probes
         row[name] = over_ranks(name, values) if values else None
     for kind in ("params", "grads", "optimizer"):
-        row[f"{kind}_bytes"] = over_ranks(f"{kind}_bytes", [r["state"][kind] for r in ranks])
-    persistent = [sum(r["state"].values()) for r in ranks]
+        row[f"{kind}_bytes"] = over_ranks(f"{kind}_bytes", [r.state[kind] for r in ranks])
+    persistent = [sum(r.state.values()) for r in ranks]
     row.update(persistent_bytes=over_ranks("persistent_bytes", persistent),
                persistent_bytes_per_rank=json.dumps(persistent))
-    for key in sorted({k for r in ranks for k in r["comm"]} | set(comm_columns())):
-        row[key] = over_ranks(key, [r["comm"].get(key, 0) for r in ranks])  # a rank without the op sent 0
-    row.update(_merge_extras([r["extras"] for r in ranks]))
-    row.update(predict_row(cfg, row["device_name"]))  # pred_* columns beside the measured ones (bench.analysis)
-    row.update(prediction_error(row))
-    return row
+    for key in sorted({k for r in ranks for k in r.comm} | set(comm_columns())):
+        row[key] = over_ranks(key, [r.comm.get(key, 0) for r in ranks])  # a rank without the op sent 0
+    row.update(_merge_extras([r.extras for r in ranks]))
+    return row  # the pred_* columns are added by whoever receives it, outside the ranks (estimate.with_predictions)
 
 
-def _replica_losses(ranks: list[dict]) -> list[float]:
+def step_time_summary(times: list[float]) -> dict[str, float]:
+    """The step-time columns: median, p10 and p90 of the steps' seconds (none without a step)."""
+    if not times:
+        return {}
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
+    return {"step_time_s": statistics.median(times), "step_time_p10_s": q[0], "step_time_p90_s": q[-1]}
+
+
+def _replica_losses(ranks: list[RankResult]) -> list[float]:
     """Mean over the ranks that computed a loss: every data-parallel replica reports equally often."""
     out = []
-    for i in range(len(ranks[0]["losses"])):
-        values = [r["losses"][i] for r in ranks if r["losses"][i] is not None]
+    for i in range(len(ranks[0].losses)):
+        values = [r.losses[i] for r in ranks if r.losses[i] is not None]
         out.append(sum(values) / len(values) if values else float("nan"))
     return out
 

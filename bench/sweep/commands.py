@@ -50,7 +50,7 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     result = run_sweep(spec, out, launcher=launcher, profile=profile, resume=resume or retry_failed,
                        retry_failed=retry_failed, exclusive=exclusive, max_parallel=max_parallel,
                        progress=not no_progress)
-    from bench.sweep.store import load_results
+    from bench.results.store import load_results
     df = load_results(out)
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
     console.print(summary_table(rows, f"sweep {spec.name}: {len(rows)} row(s) in {out}"))
@@ -87,7 +87,7 @@ def results(path, quiet, overhead):
 
     from bench.sweep.runner import print_counts, summary_table
     from bench.results import Status
-    from bench.sweep.store import ResultStore, load_results
+    from bench.results.store import ResultStore, load_results
     path = Path(path)
     df = ResultStore(path).write_parquet() if path.is_dir() and (path / "runs").is_dir() else load_results(path)
     console = Console(highlight=False, width=max(Console().width, 140))

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.config import RunConfig
+from bench.analysis.estimate import with_predictions
 from bench.results import classify_error, failure_row
 from bench.spawn import RankPool, free_port
 from bench.sweep.launcher import Launcher
@@ -98,7 +99,7 @@ def run_debug(cfg: RunConfig, traces: Path | None = None) -> dict:
                       MASTER_PORT=str(free_port()))
     from bench import worker
     try:
-        return worker.run(cfg, trace_dir(traces, cfg))
+        return with_predictions(cfg, worker.run(cfg, trace_dir(traces, cfg)))
     except Exception as exc:  # noqa: BLE001
         text = worker.format_exception(exc)
         return failure_row(cfg, classify_error(text), f"rank 0 failed:\n{text}", 0)

@@ -16,7 +16,7 @@ from bench.config import ConfigError, RunConfig
 from bench.results import PROBLEMS, Status, skipped_row
 from bench.sweep.launcher import Launcher
 from bench.sweep.spec import Expansion, SweepError, SweepSpec, describe, expand
-from bench.sweep.store import ResultStore
+from bench.results.store import ResultStore
 
 
 def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: str | None = None,

@@ -26,9 +26,10 @@ from annotated_types import Ge, Gt
 from pydantic import Strict
 
 from bench.config import RunConfig
+from bench.analysis.estimate import with_predictions
 from bench.results import Status, classify_error, failure_row
 from bench.sweep.launcher import Launcher
-from bench.sweep.store import ResultStore
+from bench.results.store import ResultStore
 from bench.typed_yaml import FileError, file_error, known_keys, load_yaml, suggest
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "slurm" / "profiles"
@@ -135,9 +136,11 @@ def slurm_task(cfg_dict: dict, store: ResultStore, submitted: float) -> dict | N
     if os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from bench import worker
-    row = worker.run(RunConfig.from_dict(cfg_dict))
+    cfg = RunConfig.from_dict(cfg_dict)
+    row = worker.run(cfg)
     if row is None:
         return None
+    row = with_predictions(cfg, row)
     job = os.environ.get("SLURM_ARRAY_JOB_ID")
     row["slurm_job_id"] = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID")
     row["wall_s"] = time.time() - submitted  # includes waiting in the array (the cluster's clocks agree)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from parity import _default_group, _with_trainer
+from bench.distributed import rank_session
+from bench.worker import trainer_on_rank
 
 MOVES = {"copy_", "cat", "chunk_cat", "all_gather_copy_in", "split_with_sizes_copy", "_to_copy", "div_", "mul_",
          "mul", "add_", "fill_", "zero_", "linalg_vector_norm"}
@@ -46,8 +47,13 @@ def step_copy_bytes(pool, cfgs: list) -> list[int]:
 
 def _count_on_rank(cfg_dicts: list[dict]) -> list[int]:
     from bench.config import RunConfig
-    with _default_group():
-        return [_with_trainer(RunConfig.from_dict(c), _count_step) for c in cfg_dicts]
+    out = []
+    with rank_session("cpu") as device:
+        for c in cfg_dicts:
+            cfg = RunConfig.from_dict(c)
+            with trainer_on_rank(cfg, device) as (trainer, groups):
+                out.append(_count_step(cfg, trainer, groups))
+    return out
 
 
 def _count_step(cfg, trainer, groups) -> int:

@@ -25,7 +25,7 @@ _CACHE: dict[str, Path] = {}
 def write_rows(rows: list[dict], out: Path) -> Path:
     """A sweep-like output folder: out/runs/<run_id>.json (through the sweep's store when present)."""
     try:
-        from bench.sweep.store import ResultStore
+        from bench.results.store import ResultStore
     except ImportError:
         ResultStore = None
     for row in rows:
