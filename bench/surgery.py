@@ -18,18 +18,13 @@ import torch
 import torch.nn as nn
 
 from models import Block, GPTConfig, init_fill_, init_range, init_value
-
-# Megatron tensor parallel (bench.native.tensor): parameter name suffix → the dimension its shard is cut along.
-_TP_SPLITS = {"attn.qkv.weight": 0, "attn.qkv.bias": 0, "mlp.fc1.weight": 0, "mlp.fc1.bias": 0,
-              "attn.proj.weight": 1, "mlp.fc2.weight": 1, "embed.tok.weight": 0, "head.weight": 0}
+from models.config import tp_kind, tp_split_dim
 
 
 def split_dim(name: str) -> int | None:
-    """Dimension along which parameter `name` is sharded over tp; None when replicated."""
-    for suffix, dim in _TP_SPLITS.items():
-        if name == suffix or name.endswith("." + suffix):
-            return dim
-    return None
+    """Dimension along which parameter `name` is sharded over tp (the parameter table's tp kind:
+    `models.config.tp_kind`); None when replicated."""
+    return tp_split_dim(tp_kind(name))
 
 
 # --- pipeline stages ---------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""GPT model configuration, named presets, exact parameter and FLOP counts.
+"""GPT model configuration, named presets, exact parameter and FLOP counts, and the parameter table
+(`param_table`: every parameter's name, full shape and placement along each parallel dimension).
 
 FLOP convention (the one place it is written; `bench` and docs/row-schema.md quote it):
 model FLOPs per token for one training step (forward + backward = 3 × forward) are
@@ -12,6 +13,8 @@ is not counted (model FLOPs, not hardware FLOPs).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
+from typing import Literal
 
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -184,3 +187,144 @@ def flops_per_token(cfg: GPTConfig, seq: int | None = None) -> int:
     """Training FLOPs per token (forward + backward), by the convention in this module's docstring."""
     seq = cfg.seq_len if seq is None else seq
     return 6 * matmul_params(cfg) + 12 * cfg.layers * cfg.hidden * seq
+
+
+# --- the parameter table ------------------------------------------------------------------------------
+# Every parameter of `models.GPT`, in `named_parameters()` order, with how each parallel dimension
+# treats it. The engines (bench.surgery's tp slices, bench.native.tensor's layers, the fsdp backend's
+# DTensor plan) and the cost model (bench.analysis.params) read it; tests/test_param_table.py checks it
+# against the module. A new parallel dimension is a new ParamSpec field.
+TpKind = Literal["column", "row", "vocab", "replicated"]
+Owner = Literal["embed", "block", "final", "head"]
+_TP_SPLIT_DIM = {"column": 0, "vocab": 0, "row": 1}
+
+
+def tp_split_dim(kind: TpKind) -> int | None:
+    """Dimension a tp shard of this kind is cut along (column and vocab: the output rows, dim 0; row:
+    the input columns, dim 1); None for replicated."""
+    return _TP_SPLIT_DIM.get(kind)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of the GPT and its placement along each parallel dimension."""
+
+    name: str
+    """The full model's name (`blocks.3.mlp.fc1.weight`): the key of its initial value and of its shard."""
+    shape: tuple[int, ...]
+    """Full (unsharded) shape."""
+    tp: TpKind
+    """Tensor parallel (Megatron): column = output rows split (dim 0, the bias with them); row = input
+    columns split (dim 1; its bias is replicated, added once after the sum); vocab = vocabulary rows
+    split (dim 0); replicated = whole on every tp rank (under sequence parallel its gradient is partial
+    per sequence chunk and is summed over tp)."""
+    owner: Owner
+    """The part of the model that holds it: the pipeline stage that owns it follows (embed: the first
+    stage, block: the stage holding `layer`, final and head: the last)."""
+    layer: int | None = None
+    """The block index (owner "block"), else None."""
+    dp: Literal["sharded"] = "sharded"
+    """ZeRO-3 / FSDP: every parameter is partitioned over dp (DeepSpeed keeping small ones whole is a
+    size threshold of that engine, not a property of the parameter)."""
+    tied_to: str | None = None
+    """The parameter whose tensor this one shares (the head when tie_embeddings); `named_parameters()`
+    lists the shared tensor once, under the other name."""
+
+    @property
+    def split_dim(self) -> int | None:
+        """Dimension its tp shard is cut along; None when replicated over tp."""
+        return tp_split_dim(self.tp)
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        """This parameter's shape on one of `tp` tensor-parallel ranks."""
+        dim = self.split_dim
+        if dim is None or tp == 1:
+            return self.shape
+        return self.shape[:dim] + (self.shape[dim] // tp,) + self.shape[dim + 1:]
+
+
+def _norm_specs(cfg: GPTConfig, name: str, owner: Owner, layer: int | None = None) -> tuple[ParamSpec, ...]:
+    weight = ParamSpec(f"{name}.weight", (cfg.hidden,), "replicated", owner, layer)
+    if cfg.norm == "rmsnorm":
+        return (weight,)
+    return weight, ParamSpec(f"{name}.bias", (cfg.hidden,), "replicated", owner, layer)
+
+
+def _linear_specs(cfg: GPTConfig, name: str, out_f: int, in_f: int, tp: TpKind,
+                  layer: int) -> tuple[ParamSpec, ...]:
+    """A block's linear (weight (out, in)); a column split cuts its bias too, a row split replicates it."""
+    weight = ParamSpec(f"{name}.weight", (out_f, in_f), tp, "block", layer)
+    if not cfg.bias:
+        return (weight,)
+    return weight, ParamSpec(f"{name}.bias", (out_f,), "column" if tp == "column" else "replicated", "block", layer)
+
+
+@lru_cache(maxsize=1024)
+def embed_table(cfg: GPTConfig) -> tuple[ParamSpec, ...]:
+    """The token table (vocab-parallel) and the learned position table (replicated)."""
+    tok = ParamSpec("embed.tok.weight", (cfg.vocab, cfg.hidden), "vocab", "embed")
+    if cfg.position != "learned":
+        return (tok,)
+    return tok, ParamSpec("embed.pos.weight", (cfg.seq_len, cfg.hidden), "replicated", "embed")
+
+
+@lru_cache(maxsize=65536)
+def block_table(cfg: GPTConfig, layer: int) -> tuple[ParamSpec, ...]:
+    """Block `layer`: each of attention and MLP is a column-parallel linear then a row-parallel one."""
+    h, p = cfg.hidden, f"blocks.{layer}"
+    return (*_norm_specs(cfg, f"{p}.ln1", "block", layer),
+            *_linear_specs(cfg, f"{p}.attn.qkv", cfg.qkv_out, h, "column", layer),
+            *_linear_specs(cfg, f"{p}.attn.proj", h, h, "row", layer),
+            *_norm_specs(cfg, f"{p}.ln2", "block", layer),
+            *_linear_specs(cfg, f"{p}.mlp.fc1", cfg.fc1_out, h, "column", layer),
+            *_linear_specs(cfg, f"{p}.mlp.fc2", h, cfg.ffn_hidden, "row", layer))
+
+
+@lru_cache(maxsize=1024)
+def final_table(cfg: GPTConfig) -> tuple[ParamSpec, ...]:
+    """The final norm."""
+    return _norm_specs(cfg, "norm", "final")
+
+
+@lru_cache(maxsize=1024)
+def head_spec(cfg: GPTConfig) -> ParamSpec:
+    """The LM head (vocab-parallel, no bias), tied or not: a pipeline's last stage holds its own copy
+    of a tied head whenever the embedding lives on another stage."""
+    return ParamSpec("head.weight", (cfg.vocab, cfg.hidden), "vocab", "head",
+                     tied_to="embed.tok.weight" if cfg.tie_embeddings else None)
+
+
+@lru_cache(maxsize=256)
+def param_table(cfg: GPTConfig, with_tied: bool = False) -> tuple[ParamSpec, ...]:
+    """Every parameter of `models.GPT(cfg)` in `named_parameters()` order; `with_tied`: a tied head too."""
+    head = head_spec(cfg)
+    blocks = tuple(s for i in range(cfg.layers) for s in block_table(cfg, i))
+    return (*embed_table(cfg), *blocks, *final_table(cfg), *((head,) if with_tied or head.tied_to is None else ()))
+
+
+# Every parameter kind that exists in some configuration (biases, layernorm, learned positions, a head).
+_EVERY_KIND = GPTConfig(layers=1, bias=True, norm="layernorm", position="learned", tie_embeddings=False)
+
+
+@lru_cache(maxsize=1)
+def _tp_kind_by_role() -> dict[str, TpKind]:
+    """tp kind per name inside its part (`attn.qkv.weight`, `embed.tok.weight`): no kind depends on the
+    configuration, only whether the parameter exists."""
+    return {_role(s.name): s.tp for s in param_table(_EVERY_KIND)}
+
+
+def _role(name: str) -> str:
+    """A parameter's name without its block prefix: `blocks.3.attn.qkv.weight` → `attn.qkv.weight`."""
+    parts = name.split(".")
+    digits = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[digits[-1] + 1:]) if digits else name
+
+
+def tp_kind(name: str) -> TpKind:
+    """The tp kind of parameter `name`: named as in the full GPT, under a pipeline piece's prefix
+    (`3.attn.qkv.weight`) or a wrapper's (`module.embed.tok.weight`); a name the GPT lacks is an error."""
+    kinds, parts = _tp_kind_by_role(), _role(name).split(".")
+    for k in range(len(parts)):
+        if (kind := kinds.get(".".join(parts[k:]))) is not None:
+            return kind
+    raise ValueError(f"{name!r} is not a parameter of models.GPT; known: {', '.join(kinds)}")

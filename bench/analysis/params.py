@@ -3,9 +3,10 @@ bucket (native ZeRO-1 pads each bucket to a multiple of dp) and shard (FSDP2 pad
 parameter to a multiple of the shard size). Exact byte predictions need this level of detail;
 everything else in the cost model works on totals.
 
-Each entry is (name, local shape, tp_split): tp_split is False for parameters replicated over tp
-(norms, row-parallel biases, the position table: under sequence parallel their gradients are
-partial per sequence chunk and get summed over tp).
+The parameters come from the model's parameter table (`models.config.param_table`): each entry here
+is (name, local shape, tp_split), the local shape cut from the full one by the parameter's tp kind;
+tp_split is False for parameters replicated over tp (norms, row-parallel biases, the position table:
+under sequence parallel their gradients are partial per sequence chunk and get summed over tp).
 """
 from __future__ import annotations
 
@@ -13,52 +14,44 @@ from collections import deque
 from functools import lru_cache
 
 from bench.schedule import partition, rank_chunks
-from models.config import GPTConfig
+from models.config import GPTConfig, ParamSpec, block_table, embed_table, final_table, head_spec
 
 Param = tuple[str, tuple[int, ...], bool]
 
 
-def _norm(m: GPTConfig, name: str) -> list[Param]:
-    out = [(f"{name}.weight", (m.hidden,), False)]
-    return out + ([(f"{name}.bias", (m.hidden,), False)] if m.norm == "layernorm" else [])
+def _local(spec: ParamSpec, tp: int, vocab_parallel: bool) -> Param:
+    """`spec` as one of `tp` ranks holds it; vocab_parallel False keeps vocab-split tables whole."""
+    if spec.tp == "replicated" or (spec.tp == "vocab" and not vocab_parallel):
+        return spec.name, spec.shape, False
+    return spec.name, spec.local_shape(tp), True
 
 
-def _linear(name: str, out_f: int, in_f: int, bias: bool, split_out: bool, split_in: bool, tp: int,
-            bias_split: bool) -> list[Param]:
-    shape = (out_f // tp if split_out else out_f, in_f // tp if split_in else in_f)
-    out = [(f"{name}.weight", shape, split_out or split_in)]
-    if bias:
-        out.append((f"{name}.bias", (out_f // tp if bias_split else out_f,), bias_split))
-    return out
+def _locals(specs: tuple[ParamSpec, ...], tp: int, vocab_parallel: bool = True) -> list[Param]:
+    return [_local(s, tp, vocab_parallel) for s in specs]
 
 
-def block(m: GPTConfig, i: int, tp: int = 1, vocab_parallel_tp: bool = True) -> list[Param]:
-    """One transformer block (Megatron split: qkv, fc1 column-parallel; proj, fc2 row-parallel)."""
-    h, f, p = m.hidden, m.ffn_hidden, f"blocks.{i}"
-    return (_norm(m, f"{p}.ln1")
-            + _linear(f"{p}.attn.qkv", m.qkv_out, h, m.bias, True, False, tp, True)
-            + _linear(f"{p}.attn.proj", h, h, m.bias, False, True, tp, False)
-            + _norm(m, f"{p}.ln2")
-            + _linear(f"{p}.mlp.fc1", m.fc1_out, h, m.bias, True, False, tp, True)
-            + _linear(f"{p}.mlp.fc2", h, f, m.bias, False, True, tp, False))
+@lru_cache(maxsize=65536)
+def _block(m: GPTConfig, i: int, tp: int) -> tuple[Param, ...]:
+    return tuple(_locals(block_table(m, i), tp))
+
+
+def block(m: GPTConfig, i: int, tp: int = 1) -> list[Param]:
+    """One transformer block on one of `tp` ranks (Megatron split: qkv, fc1 column-parallel; proj,
+    fc2 row-parallel, as the table declares)."""
+    return list(_block(m, i, tp))
 
 
 def chunk_params(m: GPTConfig, tp: int, first: bool, last: bool, layer_ids: list[int], tied_here: bool,
                  vocab_parallel: bool = True) -> list[Param]:
     """A model chunk: embedding (first), blocks, final norm and head (last). `vocab_parallel`: the
     token table and head split over tp (native); False: replicated (the fsdp backend's DTensor plan)."""
-    vt = tp if vocab_parallel else 1
-    out: list[Param] = []
-    if first:
-        out.append(("embed.tok.weight", (m.vocab // vt, m.hidden), vocab_parallel and tp > 1))
-        if m.position == "learned":
-            out.append(("embed.pos.weight", (m.seq_len, m.hidden), False))
+    out: list[Param] = _locals(embed_table(m), tp, vocab_parallel) if first else []
     for i in layer_ids:
-        out += block(m, i, tp)
+        out += _block(m, i, tp)
     if last:
-        out += _norm(m, "norm")
+        out += _locals(final_table(m), tp)
         if not tied_here:
-            out.append(("head.weight", (m.vocab // vt, m.hidden), vocab_parallel and tp > 1))
+            out.append(_local(head_spec(m), tp, vocab_parallel))
     return out
 
 

@@ -2,10 +2,11 @@
 
 Applied in the fixed order TP → PP → (recompute, compile) → DP (torchtitan-style), on one DeviceMesh built
 from our Layout:
-- TP: `parallelize_module` on the mesh's tp dim: qkv and fc1 Colwise, proj and fc2 Rowwise (the fused
-  qkv is laid out (kv_heads, group + 2, head_dim), so a contiguous Colwise shard is whole query groups
-  with their K/V head; tp divides kv_heads, checked by RunConfig). Embedding,
-  norms and LM head stay replicated over tp (their grads are identical on every tp rank).
+- TP: `parallelize_module` on the mesh's tp dim: qkv and fc1 Colwise, proj and fc2 Rowwise, as the model's
+  parameter table declares them column / row (`block_tp_plan`). The fused qkv is laid out (kv_heads,
+  group + 2, head_dim), so a contiguous Colwise shard is whole query groups with their K/V head; tp
+  divides kv_heads, checked by RunConfig. Embedding, norms and LM head stay replicated over tp (their
+  grads are identical on every tp rank).
 - PP: `torch.distributed.pipelining` stages cut from the GPT (embed on the first stage, norm + head on
   the last); gpipe → ScheduleGPipe, 1f1b → Schedule1F1B, interleaved → ScheduleInterleaved1F1B with
   `virtual_stages` chunks per rank (chunk j of pp rank r is stage r + j·pp).
@@ -42,6 +43,7 @@ from bench.schedule import partition, rank_chunks
 from bench.surgery import cut_stages, materialize, meta_module, transform_blocks
 from bench.training import Batch, RunContext, Trainer, make_optimizer
 from models import GPT, loss_fn
+from models.config import block_table
 
 RESHARD = {"full": True, "grad-op": False, "hybrid": True}
 
@@ -50,14 +52,24 @@ def blocks_of(chunk: nn.Module) -> list[nn.Module]:
     return list(chunk.blocks.values()) if isinstance(chunk.blocks, nn.ModuleDict) else list(chunk.blocks)
 
 
-def apply_tp(chunk: nn.Module, tp_mesh) -> None:
+def apply_tp(chunk: nn.Module, tp_mesh, model_cfg) -> None:
     """Megatron's column → row split per block on the tp mesh: 2 all-reduces forward, 2 backward."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    plan = block_tp_plan(model_cfg)
     for block in blocks_of(chunk):
         parallelize_module(block, tp_mesh, plan)
+
+
+def block_tp_plan(model_cfg) -> dict:
+    """The DTensor plan of a block, from the parameter table: Colwise for its column-parallel linears,
+    Rowwise for its row-parallel ones. Embedding and head stay replicated (this backend's choice)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    style = {"column": ColwiseParallel, "row": RowwiseParallel}
+    prefix = "blocks.0."
+    return {s.name.removeprefix(prefix).removesuffix(".weight"): style[s.tp]()
+            for s in block_table(model_cfg, 0) if s.name.endswith(".weight") and s.tp in style}
 
 
 def apply_dp(chunk: nn.Module, strategy: str, dp_mesh, mp_policy) -> None:
@@ -148,7 +160,7 @@ class FSDPTrainer(Trainer):
         self.chunks = self._cut_chunks()
         for chunk in self.chunks:
             if cfg.tp > 1:
-                apply_tp(chunk, self.mesh["tp"])
+                apply_tp(chunk, self.mesh["tp"], cfg.model_config)
             transform_blocks(chunk, cfg)  # recompute, compile
             apply_dp(chunk, cfg.fsdp, dp_mesh, mp)
             materialize(chunk, cfg.model_config, cfg.seed, ctx.device)

@@ -22,7 +22,8 @@ gradients, summed over tp once per step (`sequence_parallel_params`, reduced in 
 
 The regions are installed with forward hooks on the model's own modules, so the model's forward
 code (and every parameter name) is unchanged: `init_value(name, full_shape)` sliced along
-`split_dim(name)` is exactly this rank's shard (`bench.surgery` fills it; the split map lives there).
+`split_dim(name)` is exactly this rank's shard (`bench.surgery` fills it). Which parameter is column,
+row or vocab-parallel is the model's parameter table's (`models.config.param_table`), read here too.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from bench.native import tensor_comm as comm
 from bench.surgery import materialize, split_dim
+from models.config import param_table
 
 class ColumnParallelLinear(nn.Linear):
     """Y_i = X A_iᵀ (+ b_i): this rank's out_features/p output columns. No communication itself."""
@@ -92,22 +94,53 @@ def _install_region(module: nn.Module, group, sp: bool, row: RowParallelLinear |
 
 
 def apply_tensor_parallel(model: nn.Module, run_cfg, group, rank: int, tp: int) -> nn.Module:
-    """Swap the GPT's linears/embedding for their tensor-parallel shapes (no values: call on meta)."""
+    """Swap the GPT's linears and embedding for the tp layers its parameter table names (column, row,
+    vocab), then install the regions (no values: call on meta).
+
+    A module holding a row-parallel linear (attn, mlp) is a region, left through that linear; a split
+    linear whose module holds none (the head) is a region of its own, entered only."""
     cfg, sp = run_cfg.model_config, run_cfg.sequence_parallel
     device = next(model.parameters()).device
-    h, f = cfg.hidden, cfg.ffn_hidden
-    for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(h, cfg.qkv_out // tp, bias=cfg.bias, device=device)
-        attn.proj = RowParallelLinear(h // tp, h, cfg.bias, device)
-        mlp.fc1 = ColumnParallelLinear(h, cfg.fc1_out // tp, bias=cfg.bias, device=device)
-        mlp.fc2 = RowParallelLinear(f // tp, h, cfg.bias, device)
-        _install_region(attn, group, sp, attn.proj)
-        _install_region(mlp, group, sp, mlp.fc2)
-    model.embed = VocabParallelEmbedding(cfg, group, rank, tp, sp, device)
-    model.head = ColumnParallelLinear(h, cfg.vocab // tp, bias=False, device=device)
-    _install_region(model.head, group, sp, None)
+    table = param_table(cfg, with_tied=True)
+    names = {s.name for s in table}
+    rows: dict[str, RowParallelLinear] = {}
+    columns: list[str] = []
+    for spec in (s for s in table if s.tp != "replicated" and s.name.endswith(".weight")):
+        module = spec.name.removesuffix(".weight")  # blocks.3.attn.qkv, embed.tok, head
+        parent = _parent(module)
+        if spec.owner == "embed":  # the token table's module: the whole embedding, position table included
+            _replace(model, parent, VocabParallelEmbedding(cfg, group, rank, tp, sp, device))
+            continue
+        layer = _parallel_linear(spec, f"{module}.bias" in names, tp, device)
+        _replace(model, module, layer)
+        if spec.tp == "row":
+            rows[parent] = layer
+        else:
+            columns.append(module)
+    for parent, row in rows.items():
+        _install_region(model.get_submodule(parent), group, sp, row)
+    for module in columns:
+        if _parent(module) not in rows:
+            _install_region(model.get_submodule(module), group, sp, None)
     return model
+
+
+def _parallel_linear(spec, bias: bool, tp: int, device) -> nn.Module:
+    """Column- (column or vocab rows) or row-parallel linear for the weight `spec`, full shape (out, in)."""
+    out_f, in_f = spec.shape
+    if spec.tp == "row":
+        return RowParallelLinear(in_f // tp, out_f, bias, device)
+    return ColumnParallelLinear(in_f, out_f // tp, bias=bias, device=device)
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Put `module` at `path` (its registration slot, so parameter order is kept)."""
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
 
 
 def shard_model(model_on_meta: nn.Module, cfg, groups, device, seed: int) -> nn.Module:
