@@ -97,9 +97,9 @@ NO_TORCH = textwrap.dedent("""
 
 
 def _pure_modules() -> list[str]:
-    analysis = sorted(n for n in modules() if n.startswith("bench.analysis.") and n != "bench.analysis.commands")
+    analysis = sorted(n for n in modules() if n.startswith("bench.analysis."))
     return ["models", "models.config", "bench.layout", "bench.schedule", "bench.config", "bench.capabilities", *analysis,
-            "bench.analysis.commands", "bench.cli"]
+            "bench.cli.analysis", "bench.cli"]
 
 
 def _run_without_torch(code: str) -> subprocess.CompletedProcess:

@@ -1,10 +1,10 @@
-"""CLI commands of bench.analysis (registered on the `bench` app in bench/cli.py): layout, estimate,
-plan. They parse, call the pure functions of this package, and print."""
+"""CLI commands over bench.analysis (registered on the `bench` app in bench/cli/__init__.py): layout, estimate,
+plan. They parse, call the pure functions of bench.analysis, and print."""
 from __future__ import annotations
 
 import click
 
-from bench.cli_options import FRACTION, Number, config_from_options, config_options, echo_json, positive_int
+from bench.cli.options import FRACTION, Number, config_from_options, config_options, echo_json, positive_int
 
 COMMANDS: list[click.Command] = []
 

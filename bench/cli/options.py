@@ -1,6 +1,6 @@
 """Click options generated from RunConfig's fields, shared by every command that takes a config.
 
-Kept apart from bench/cli.py so that command modules can import it without importing the app."""
+Kept apart from the app (bench/cli/__init__.py) so that the command modules import it alone."""
 from __future__ import annotations
 
 import json
