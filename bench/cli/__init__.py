@@ -16,7 +16,7 @@ def app():
 
 
 @app.command()
-@config_options
+@config_options()
 @click.option("--launcher", type=click.Choice(["local", "debug"]), default="local", show_default=True,
               help="local: world-size processes on this machine; debug: in this process (world 1)")
 @click.option("--json", "as_json", is_flag=True, help="print the result row as one JSON object")
