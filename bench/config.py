@@ -24,6 +24,7 @@ from dataclasses import MISSING, asdict, fields, replace
 from functools import lru_cache
 from typing import Annotated, Any, Literal
 
+from annotated_types import Ge, Gt
 from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, WrapValidator, model_validator
 from pydantic.dataclasses import dataclass
 
@@ -252,8 +253,16 @@ def choices(name: str) -> tuple:
 
 
 def bounded(name: str) -> bool:
-    """A number field with bounds (Field(ge=…, le=…))."""
-    return "ge=" in repr(annotation(name)) or "gt=" in repr(annotation(name))
+    """A number field with a lower bound (Field(ge=…) or Field(gt=…))."""
+    return any(isinstance(c, (Ge, Gt)) for c in _constraints(annotation(name)))
+
+
+def _constraints(kind) -> list:
+    """The annotated_types constraints anywhere in a type (under Optional, inside a Field)."""
+    found = []
+    for part in (*getattr(kind, "__metadata__", ()), *typing.get_args(kind)):
+        found += [part] if isinstance(part, (Ge, Gt)) else getattr(part, "metadata", None) or _constraints(part)
+    return found
 
 
 @lru_cache(maxsize=None)
@@ -311,6 +320,8 @@ def config_problem(error: dict) -> str:
                 f"(choose one of {', '.join(map(str, known)) or ctx.get('expected')})")
     if kind == "unexpected_keyword_argument":
         return f"unknown run config field(s) {[name]}{suggest(name, FIELDS)}"
+    if kind == "unexpected_positional_argument":
+        return f"RunConfig takes keyword arguments only (field=value), got the positional {value!r}"
     if kind == "value_error":  # our own checks: their text as written
         return str(ctx["error"])
     return f"{name}: {error['msg']}"
