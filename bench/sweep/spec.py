@@ -53,8 +53,9 @@ from typing import Annotated, Any, Optional
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, WrapValidator,
                       create_model, field_validator, model_validator)
 
-from bench.config import (BACKENDS, LIST_FIELDS, ConfigError, RunConfig, annotation, check_number, choices,
-                          fault_reason, field_reason)
+from bench.choices import BACKENDS
+from bench.config import (LIST_FIELDS, ConfigError, RunConfig, annotation, check_number, choices, fault_reason,
+                          field_reason)
 from bench.config import model_config as resolve_model  # `model_config` is pydantic's name for a model's settings
 from bench.results import skipped_row
 from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
