@@ -15,17 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from bench.choices import BACKENDS, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES  # noqa: F401 - re-exported
 from bench.schedule import SCHEDULES
 
 if TYPE_CHECKING:
     from bench.config import RunConfig
-
-# The values of RunConfig's choice fields (RunConfig takes its choices from here and bench.schedule's
-# SCHEDULES; each backend runs a subset).
-FSDP_MODES = ("full", "grad-op", "hybrid", "none")
-DTYPES = ("fp32", "bf16-mixed", "fp16-mixed")
-RECOMPUTE = ("none", "selective", "full")
-ZERO_STAGES = (0, 1, 2, 3)
 
 NEEDS_LOSS_SCALER = ("fp16-mixed",)
 """Precisions whose small gradients underflow unless the loss is scaled (bf16 has fp32's exponent range)."""
@@ -95,7 +89,7 @@ CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (
     # torch DistributedDataParallel: data parallel only.
     Capabilities("ddp", tp=False, pp=False, virtual_stages=False, dtypes=DTYPES, loss_scaler=True),
 )}
-BACKENDS = tuple(CAPABILITIES)
+assert tuple(CAPABILITIES) == BACKENDS, "bench/choices.py names every backend, in this order"
 
 
 def can_run(backend: str, cfg: "RunConfig") -> bool:

@@ -2,25 +2,34 @@
 
 Field names are the vocabulary of the whole suite: a field `micro_batches` is the CLI flag
 `--micro-batches`, the YAML key `micro_batches` and the dataframe column `micro_batches`.
-Each field's `help` is the CLI's help text.
+RunConfig is a frozen, keyword-only pydantic dataclass: each field's type says its bounds
+(`Annotated[int, Field(ge=1)]`) or choices (`Literal[...]`), and the docstring under it is its help
+text (`help_text`); the CLI's options (bench/cli/options.py) and the sweep file's keys
+(bench/sweep/spec.py) are typed by the same annotations. Strict: '8' is no integer, 1 no boolean.
 
 Validation has two layers. This module checks what holds for any engine: field types and choices,
 the world size, the model's divisibility and the pipeline's shape and schedule (`structural_reason`,
 which the planner also applies to its candidates). bench/capabilities.py declares what each backend
 supports and says why a backend cannot run a config. A RunConfig raises ConfigError with the first
-reason of either, so a config that exists can run.
+reason of either (one line naming the field and the fix), so a config that exists can run.
+`RunConfig.unchecked` builds one without any check (the planner's candidates).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import math
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, fields, replace
 from functools import lru_cache
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from bench.capabilities import BACKENDS, CAPABILITIES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES, unsupported_reason
+from annotated_types import Ge, Gt
+from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, WrapValidator, model_validator
+from pydantic.dataclasses import dataclass
+
+from bench.capabilities import CAPABILITIES, unsupported_reason
+from bench.choices import BACKENDS, DEVICES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES
 from bench.layout import ORDERS
 from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
@@ -30,45 +39,35 @@ class ConfigError(ValueError):
     """A configuration the user must fix; the message names the fields and the fix."""
 
 
-def _f(default, help: str, choices: tuple | None = None, in_id: bool = True, bounds: tuple | None = None):
-    """A RunConfig field; `bounds` = (low, high, low_open): the range of a number, read by RunConfig's own
-    check, the CLI's option types and the sweep file's schema alike (check_number)."""
-    kw = {"default_factory": default} if callable(default) else {"default": default}
-    return field(metadata={"help": help, "choices": choices, "in_id": in_id, "bounds": bounds}, **kw)
-
-
 # Sane ranges: beyond them a value is a typo, and would run for days or overflow a column (int64).
 MAX_RANKS = 1_000_000
 MAX_STEPS = 1_000_000
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-POSITIVE = lambda high: (1, high, False)  # noqa: E731
-NON_NEGATIVE = lambda high: (0, high, False)  # noqa: E731
 
 
-def check_number(name: str, value, integer: bool, bounds: tuple) -> str | None:
-    """Why `value` cannot be `name` (not a number; a float where an integer is meant; nan or inf; out of
-    range), or None. One rule for every door a number comes in by: CLI, sweep file, RunConfig(...)."""
-    low, high, low_open = bounds
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}"
-    if integer and not isinstance(value, int):
-        return f"{name} must be an integer, got {value!r}"
-    if not math.isfinite(value):
-        return f"{name} must be a finite number, got {value!r}"
-    if integer and low in (0, 1) and not low_open and value < low:
-        return f"{name} must be a {'positive' if low else 'non-negative'} integer, got {value!r}"
-    if value < low or (low_open and value == low):
-        return f"{name} must be {'>' if low_open else '≥'} {_plain(low)}, got {value!r}"
-    if value > high:
-        return f"{name} must be ≤ {_plain(high)}, got {value!r}"
-    return None
+def _as_written(value, handler):
+    """Checked as a number but kept as written: 25 stays an int (the canonical form, hence the run id,
+    prints 25, not 25.0)."""
+    handler(value)
+    return value
 
 
-def _plain(number) -> str:
-    return f"{number:,}" if isinstance(number, int) else f"{number:g}"
+def _as_tuple(value):
+    """A list field as callers give it: a tuple, a list, one KEY=VALUE string or a mapping."""
+    if isinstance(value, dict):
+        return tuple(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, list) else value
 
 
-DEVICES = ("auto", "cpu", "cuda")
+Ranks = Annotated[int, Field(ge=1, le=MAX_RANKS)]
+Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
+Size = Annotated[int, Field(ge=1, le=1 << 20)]
+Number = lambda **bounds: Annotated[float, Field(**bounds), WrapValidator(_as_written)]  # noqa: E731
+Items = Annotated[tuple, BeforeValidator(_as_tuple)]
+Backend = Literal[BACKENDS]  # typing expands a tuple inside Literal into its values
+STRICT = ConfigDict(strict=True, allow_inf_nan=False, use_attribute_docstrings=True, extra="forbid")
 
 
 class BatchShape:
@@ -92,48 +91,97 @@ class BatchShape:
         return self.global_batch * self.seq
 
 
-@dataclass(frozen=True)
-class RunConfig(BatchShape):
-    model: str = _f("tiny", "model preset (models.PRESETS)")
-    model_overrides: tuple = _f(tuple, "preset fields to override, as KEY=VALUE (e.g. layers=8)")
-    backend: str = _f("native", "training backend", BACKENDS)
-    tp: int = _f(1, "tensor-parallel size", bounds=POSITIVE(MAX_RANKS))
-    pp: int = _f(1, "pipeline-parallel size (stages)", bounds=POSITIVE(MAX_RANKS))
-    dp: int = _f(1, "data-parallel size (replicas)", bounds=POSITIVE(MAX_RANKS))
-    order: str = _f("tp-pp-dp", "rank order, fastest dimension first", ORDERS)
-    zero: int = _f(0, "ZeRO stage: native 0-1, deepspeed 0-3", ZERO_STAGES)
-    fsdp: str | None = _f(None, "FSDP sharding (backend fsdp only; default full)", FSDP_MODES)
-    schedule: str = _f("1f1b", "pipeline schedule", SCHEDULES)
-    virtual_stages: int = _f(1, "model chunks per pipeline rank (interleaved schedule)", bounds=POSITIVE(1024))
-    micro_batch: int = _f(2, "sequences per micro-batch", bounds=POSITIVE(1 << 20))
-    micro_batches: int = _f(1, "micro-batches per step and pipeline (gradient accumulation when pp = 1)",
-                            bounds=POSITIVE(1 << 20))
-    seq: int | None = _f(None, "sequence length (default: the model's seq_len)", bounds=POSITIVE(1 << 24))
-    dtype: str = _f("fp32", "training precision", DTYPES)
-    sequence_parallel: bool = _f(False, "shard norm/dropout regions along the sequence (needs tp > 1)")
-    recompute: str = _f("none", "activation recomputation", RECOMPUTE)
-    compile: bool = _f(False, "torch.compile each block (native, fsdp, ddp); the first warm-up step compiles "
-                              "(column compile_s), never a timed one")
-    bucket_mb: float = _f(25.0, "gradient all-reduce bucket size in MiB", bounds=(0, 1 << 20, True))
-    steps: int = _f(5, "timed optimizer steps", bounds=POSITIVE(MAX_STEPS))
-    warmup: int = _f(2, "untimed optimizer steps before timing", bounds=NON_NEGATIVE(MAX_STEPS))
-    seed: int = _f(0, "seed of weights and data", bounds=NON_NEGATIVE(2**32 - 1))
-    device: str = _f("auto", "device (auto = cuda when available, else cpu)", DEVICES)
-    ds_set: tuple = _f(tuple, "DeepSpeed config override KEY=VALUE with a dotted key (repeatable)")
-    world_size: int | None = _f(None, "expected world size; must equal tp × pp × dp when given",
-                                bounds=POSITIVE(MAX_RANKS))
-    repeat: int = _f(0, "repeat index of the same config (noise estimation)", bounds=NON_NEGATIVE(10_000))
-    fault: str = _f("none", "test-only fault injection, comma-separated: raise | hang | oom | oom_real on the "
-                            "last rank; sleep:MS per step; stage_sleep:MS per pipeline compute section (native); "
-                            "grad_scale:K, lr_scale:K, sgd:LR at every optimizer step")
-    timeout_s: float = _f(600.0, "wall-clock limit of the run in seconds", in_id=False,
-                          bounds=(0, MAX_TIMEOUT_S, True))
-    profile: bool = _f(False, "trace one extra, untimed step per rank with torch.profiler (Chrome JSON + op table)",
-                       in_id=False)  # the profiled step is extra and untimed: the measurement, hence the id, is the same
+def _raises_config_error(cls):
+    """RunConfig(...) raises ConfigError with one line (the first mistake), not pydantic's report."""
+    validated_init = cls.__init__
 
-    def __post_init__(self):
+    @functools.wraps(validated_init)
+    def __init__(self, *args, **kwargs):
+        try:
+            validated_init(self, *args, **kwargs)
+        except ValidationError as e:
+            raise ConfigError(config_problem(e.errors()[0])) from None
+    cls.__init__ = __init__
+    return cls
+
+
+@_raises_config_error
+@dataclass(frozen=True, kw_only=True, config=STRICT)
+class RunConfig(BatchShape):
+    model: str = "tiny"
+    """model preset (models.PRESETS)"""
+    model_overrides: Items = ()
+    """preset fields to override, as KEY=VALUE (e.g. layers=8)"""
+    backend: Backend = "native"
+    """training backend"""
+    tp: Ranks = 1
+    """tensor-parallel size"""
+    pp: Ranks = 1
+    """pipeline-parallel size (stages)"""
+    dp: Ranks = 1
+    """data-parallel size (replicas)"""
+    order: Literal[ORDERS] = "tp-pp-dp"
+    """rank order, fastest dimension first"""
+    zero: Literal[ZERO_STAGES] = 0
+    """ZeRO stage: native 0-1, deepspeed 0-3"""
+    fsdp: Literal[FSDP_MODES] | None = None
+    """FSDP sharding (backend fsdp only; default full)"""
+    schedule: Literal[SCHEDULES] = "1f1b"
+    """pipeline schedule"""
+    virtual_stages: Annotated[int, Field(ge=1, le=1024)] = 1
+    """model chunks per pipeline rank (interleaved schedule)"""
+    micro_batch: Size = 2
+    """sequences per micro-batch"""
+    micro_batches: Size = 1
+    """micro-batches per step and pipeline (gradient accumulation when pp = 1)"""
+    seq: Annotated[int, Field(ge=1, le=1 << 24)] | None = None
+    """sequence length (default: the model's seq_len)"""
+    dtype: Literal[DTYPES] = "fp32"
+    """training precision"""
+    sequence_parallel: bool = False
+    """shard norm/dropout regions along the sequence (needs tp > 1)"""
+    recompute: Literal[RECOMPUTE] = "none"
+    """activation recomputation"""
+    compile: bool = False
+    """torch.compile each block (native, fsdp, ddp); the first warm-up step compiles (column compile_s), never a timed one"""
+    bucket_mb: Number(gt=0, le=1 << 20) = 25.0
+    """gradient all-reduce bucket size in MiB"""
+    steps: Steps = 5
+    """timed optimizer steps"""
+    warmup: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 2
+    """untimed optimizer steps before timing"""
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0
+    """seed of weights and data"""
+    device: Literal[DEVICES] = "auto"
+    """device (auto = cuda when available, else cpu)"""
+    ds_set: Items = ()
+    """DeepSpeed config override KEY=VALUE with a dotted key (repeatable)"""
+    world_size: Ranks | None = None
+    """expected world size; must equal tp × pp × dp when given"""
+    repeat: Annotated[int, Field(ge=0, le=10_000)] = 0
+    """repeat index of the same config (noise estimation)"""
+    fault: str = "none"
+    """test-only fault injection, comma-separated: raise | hang | oom | oom_real on the last rank; sleep:MS per step; stage_sleep:MS per pipeline compute section (native); grad_scale:K, lr_scale:K, sgd:LR at every optimizer step"""
+    timeout_s: Number(gt=0, le=MAX_TIMEOUT_S) = 600.0
+    """wall-clock limit of the run in seconds"""
+    profile: bool = False
+    """trace one extra, untimed step per rank with torch.profiler (Chrome JSON + op table)"""
+
+    @model_validator(mode="after")
+    def _normalized_and_possible(self):
         _normalize(self)
         _validate(self)
+        return self
+
+    @classmethod
+    def unchecked(cls, **values) -> "RunConfig":
+        """A RunConfig of `values` over the defaults, the derived defaults filled (seq, fsdp), with no
+        check: the planner's ~20,000 candidates, which it checks itself (structural_reason,
+        unsupported_reason), cost microseconds instead of a validation each."""
+        cfg = object.__new__(cls)
+        object.__setattr__(cfg, "__dict__", {**DEFAULTS, **values})
+        _normalize(cfg)
+        return cfg
 
     @property
     def run_id(self) -> str:
@@ -151,7 +199,7 @@ class RunConfig(BatchShape):
         Leaving defaults out keeps run ids stable when a new field with a default is added."""
         out = {}
         for f in fields(self):
-            if not f.metadata["in_id"]:
+            if f.name in NOT_IN_ID:
                 continue
             value = getattr(self, f.name)
             if f.name in ("model", "backend", "tp", "pp", "dp") or value != DEFAULTS[f.name]:
@@ -170,31 +218,117 @@ class RunConfig(BatchShape):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown run config field(s) {unknown}{suggest(unknown[0], known)}")
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items()})
 
     def replace(self, **changes) -> "RunConfig":
         return replace(self, **changes)
 
 
-@lru_cache(maxsize=None)
-def field_types(cls: type = None) -> dict[str, tuple[type, bool]]:
-    """Each field's value type (int, float, bool, str or tuple) and whether None is allowed, from the
-    annotations as Python evaluates them, of RunConfig (default) or another dataclass such as GPTConfig:
-    the CLI, the sweep-file schema and model overrides given as text are typed by it."""
-    out = {}
-    for name, hint in typing.get_type_hints(cls or RunConfig).items():
-        args = typing.get_args(hint)
-        out[name] = (next(a for a in args if a is not type(None)), True) if args else (hint, False)
-    return out
-
-
+NOT_IN_ID = ("timeout_s", "profile")
+"""Limits and extra, untimed work: the measurement, hence the run id, is the same with any value."""
 FIELDS = {f.name: f for f in fields(RunConfig)}
-DEFAULTS = {f.name: f.default_factory() if f.default is MISSING else f.default for f in fields(RunConfig)}
+DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
 """Every RunConfig field's default (None for the ones derived from others, e.g. seq)."""
+assert MISSING not in DEFAULTS.values(), "every RunConfig field has a default"
+LIST_FIELDS = tuple(name for name, info in RunConfig.__pydantic_fields__.items() if info.annotation is tuple)
+"""The fields that hold a list of KEY=VALUE strings (a tuple): model_overrides, ds_set."""
+
+
+def help_text(name: str) -> str:
+    """A RunConfig field's help: the docstring under it."""
+    return RunConfig.__pydantic_fields__[name].description
+
+
+def annotation(name: str):
+    """A RunConfig field's type with its bounds (what the CLI and the sweep file check values by)."""
+    info = RunConfig.__pydantic_fields__[name]
+    return Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+
+
+def choices(name: str) -> tuple:
+    """A choice field's values (its Literal's), or ()."""
+    args = [a for a in typing.get_args(annotation(name)) if a is not type(None)]
+    literal = args[0] if args and typing.get_origin(args[0]) is Literal else annotation(name)
+    return typing.get_args(literal) if typing.get_origin(literal) is Literal else ()
+
+
+def bounded(name: str) -> bool:
+    """A number field with a lower bound (Field(ge=…) or Field(gt=…))."""
+    return any(isinstance(c, (Ge, Gt)) for c in _constraints(annotation(name)))
+
+
+def _constraints(kind) -> list:
+    """The annotated_types constraints anywhere in a type (under Optional, inside a Field)."""
+    found = []
+    for part in (*getattr(kind, "__metadata__", ()), *typing.get_args(kind)):
+        found += [part] if isinstance(part, (Ge, Gt)) else getattr(part, "metadata", None) or _constraints(part)
+    return found
+
+
+@lru_cache(maxsize=None)
+def _adapter(kind) -> TypeAdapter:
+    return TypeAdapter(kind, config=ConfigDict(strict=True, allow_inf_nan=False))
+
+
+def value_reason(name: str, kind, value) -> str | None:
+    """Why `value` is not of type `kind` (strict, bounds and choices included), worded as RunConfig's
+    field `name` would be; None when it is."""
+    try:
+        _adapter(kind).validate_python(value)
+    except ValidationError as e:
+        return config_problem({**e.errors()[0], "loc": (name,)})
+    return None
+
+
+def field_reason(name: str, value) -> str | None:
+    """Why `value` cannot be RunConfig field `name` by its type, bounds or choices (None: fine).
+    A number field's None is its default-to-derive (seq, world_size) or not given."""
+    if value is None:
+        return None
+    return value_reason(name, annotation(name), value) or (fault_reason(value) if name == "fault" else None)
+
+
+def check_number(name: str, value, integer: bool, bounds: tuple) -> str | None:
+    """Why `value` cannot be `name`, a number in `bounds` = (low, high, low_open) (an integer when
+    `integer`), or None: the rules and words of RunConfig's number fields, for numbers outside it
+    (the planner's memory fraction, hardware files)."""
+    low, high, low_open = bounds
+    kind = Annotated[int if integer else float, Field(**{"gt" if low_open else "ge": low, "le": high})]
+    return value_reason(name, kind, value)
+
+
+WANTS = {"int_type": "an integer", "int_from_float": "an integer", "int_parsing": "an integer",
+         "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
+         "bool_type": "true or false", "bool_parsing": "true or false", "string_type": "a string",
+         "tuple_type": "a list of KEY=VALUE strings"}
+
+
+def config_problem(error: dict) -> str:
+    """One pydantic error of a RunConfig field as our one line: the field, what it must be, the value."""
+    name = next((str(p) for p in reversed(error["loc"]) if isinstance(p, str)), "value")
+    kind, value, ctx = error["type"], error.get("input"), error.get("ctx") or {}
+    if kind in WANTS:
+        return f"{name} must be {WANTS[kind]}, got {value!r}"
+    if kind == "greater_than_equal" and ctx["ge"] in (0, 1) and type(value) is int:
+        return f"{name} must be a {'positive' if ctx['ge'] else 'non-negative'} integer, got {value!r}"
+    for key, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
+        if key in ctx and kind.startswith(("greater", "less")):
+            return f"{name} must be {sign} {_plain(ctx[key])}, got {value!r}"
+    if kind == "literal_error":
+        known = choices(name) if name in FIELDS else ()
+        return (f"{name} is {value!r}{suggest(str(value), map(str, known))} "
+                f"(choose one of {', '.join(map(str, known)) or ctx.get('expected')})")
+    if kind == "unexpected_keyword_argument":
+        return f"unknown run config field(s) {[name]}{suggest(name, FIELDS)}"
+    if kind == "unexpected_positional_argument":
+        return f"RunConfig takes keyword arguments only (field=value), got the positional {value!r}"
+    if kind == "value_error":  # our own checks: their text as written
+        return str(ctx["error"])
+    return f"{name}: {error['msg']}"
+
+
+def _plain(number) -> str:
+    return f"{number:,}" if isinstance(number, int) else f"{number:g}"
 
 
 def _digest(obj) -> str:
@@ -228,7 +362,7 @@ def _model_config(preset: str, items: tuple) -> GPTConfig:
         cfg = get_preset(preset)
         if not parsed:
             return cfg
-        return cfg.with_overrides(**{k: _coerce(k, v) for k, v in parsed.items()})
+        return cfg.with_overrides(**{k: _override_value(k, v) for k, v in parsed.items()})
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -240,72 +374,43 @@ def _split_kv(item: str, name: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def _coerce(key: str, value):
-    """An override given as text (KEY=VALUE) as the GPTConfig field's type; none/null for an optional field
-    (kv_heads=none: back to its default)."""
-    if not isinstance(value, str) or key not in field_types(GPTConfig):
+MODEL_TYPES = typing.get_type_hints(GPTConfig)
+
+
+def _override_value(key: str, value):
+    """An override given as text (KEY=VALUE) as the GPTConfig field's type (pydantic's lax parsing:
+    '8' → 8, 'true' → True); none/null for an optional field (kv_heads=none: back to its default)."""
+    if not isinstance(value, str) or key not in MODEL_TYPES:
         return value  # an unknown key: with_overrides names it
-    kind, optional = field_types(GPTConfig)[key]
-    if optional and value.lower() in ("none", "null"):
+    if type(None) in typing.get_args(MODEL_TYPES[key]) and value.lower() in ("none", "null"):
         return None
-    if kind is bool:
-        if value.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            raise ConfigError(f"model_overrides {key}={value}: {key} must be true or false")
-        return value.lower() in ("1", "true", "yes", "on")
     try:
-        return kind(value)
-    except ValueError:
-        wanted = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        return TypeAdapter(MODEL_TYPES[key]).validate_python(value)
+    except ValidationError as e:
+        wanted = WANTS.get(e.errors()[-1]["type"], e.errors()[-1]["msg"])
         raise ConfigError(f"model_overrides {key}={value}: {key} must be {wanted}") from None
 
 
 def _normalize(cfg: RunConfig) -> None:
     """Fill the defaults that depend on other fields (frozen: set through object.__setattr__)."""
-    set_ = lambda k, v: object.__setattr__(cfg, k, v)  # noqa: E731
-    for name in ("model_overrides", "ds_set"):
-        value = getattr(cfg, name)
-        if isinstance(value, dict):
-            value = tuple(f"{k}={v}" for k, v in value.items())
-        elif isinstance(value, (list, str)):
-            value = tuple([value] if isinstance(value, str) else value)
-        set_(name, tuple(value))
     if cfg.fsdp is None and cfg.backend in CAPABILITIES:
-        set_("fsdp", CAPABILITIES[cfg.backend].fsdp_default)
+        object.__setattr__(cfg, "fsdp", CAPABILITIES[cfg.backend].fsdp_default)
     if cfg.seq is None:
-        set_("seq", cfg.model_config.seq_len)
+        object.__setattr__(cfg, "seq", cfg.model_config.seq_len)
 
 
 def _validate(cfg: RunConfig) -> None:
-    """Field types and choices, then what no engine could run, then what this backend cannot run."""
-    _validate_fields(cfg)
-    reason = structural_reason(cfg) or unsupported_reason(cfg)
+    """What types cannot say (the fault list, the world size), then what no engine could run, then what
+    this backend cannot run."""
+    reason = fault_reason(cfg.fault) or _world_size_reason(cfg) or structural_reason(cfg) or unsupported_reason(cfg)
     if reason:
         raise ConfigError(reason)
 
 
-def _validate_fields(cfg: RunConfig) -> None:
-    for f in fields(cfg):
-        choices, value = f.metadata["choices"], getattr(cfg, f.name)
-        if choices and value is not None and value not in choices:
-            raise ConfigError(f"{f.name} is {value!r}{suggest(str(value), map(str, choices))} "
-                              f"(choose one of {', '.join(map(str, choices))})")
-        reason = field_reason(f.name, value)
-        if reason:
-            raise ConfigError(reason)
-    if fault_reason(cfg.fault):
-        raise ConfigError(fault_reason(cfg.fault))
+def _world_size_reason(cfg: RunConfig) -> str | None:
     if cfg.world_size is not None and cfg.world != cfg.world_size:
-        raise ConfigError(f"tp ({cfg.tp}) × pp ({cfg.pp}) × dp ({cfg.dp}) = {cfg.world}, "
-                          f"but world_size is {cfg.world_size}")
-
-
-def field_reason(name: str, value) -> str | None:
-    """Why `value` cannot be RunConfig field `name` by its type and bounds (None: fine, or a field
-    without bounds). A number field's None is its default-to-derive (seq, world_size) or not given."""
-    bounds = FIELDS[name].metadata["bounds"]
-    if bounds is None or value is None:
-        return None
-    return check_number(name, value, field_types()[name][0] is int, bounds)
+        return f"tp ({cfg.tp}) × pp ({cfg.pp}) × dp ({cfg.dp}) = {cfg.world}, but world_size is {cfg.world_size}"
+    return None
 
 
 # Test-only faults: name → whether it takes a number (`sleep:400`). See bench.worker for what each does.

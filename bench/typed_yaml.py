@@ -105,15 +105,20 @@ def problem(error: dict, unknown: Callable[[tuple], str] = known_keys("key", ())
         return f"{field} must be {WANTS[kind_]}, got {value!r} ({kind(value)})"
     if kind_ in ("greater_than_equal", "greater_than"):
         sign = "≥" if kind_ == "greater_than_equal" else ">"
-        return f"{field} must be {sign} {ctx.get('ge', ctx.get('gt'))}, got {value!r}"
+        return f"{field} must be {sign} {_plain(ctx.get('ge', ctx.get('gt')))}, got {value!r}"
     if kind_ in ("less_than_equal", "less_than"):
         sign = "≤" if kind_ == "less_than_equal" else "<"
-        return f"{field} must be {sign} {ctx.get('le', ctx.get('lt'))}, got {value!r}"
+        return f"{field} must be {sign} {_plain(ctx.get('le', ctx.get('lt')))}, got {value!r}"
     if kind_ == "missing":
         return f"{field} is missing"
     if kind_ in ("value_error", "assertion_error"):  # raised by our own checks: their text as written
         return str(ctx.get("error", error["msg"]))
     return error["msg"]  # anything else pydantic words well itself
+
+
+def _plain(number) -> str:
+    """1,000,000 for an integer bound (as RunConfig's messages write it); other numbers as given."""
+    return f"{number:,}" if type(number) is int else str(number)
 
 
 def file_error(exc, source: str, prefix: str = "", unknown: Callable[[tuple], str] = known_keys("key", ()),

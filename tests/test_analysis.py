@@ -209,11 +209,26 @@ def test_cli_estimate_and_errors():
     # bad input: RunConfig's reason, the known presets / profiles (main() prints these as `error: ...`)
     for args, match in ((["--model", "tiny", "--tp", "3"], "not divisible by tp"),
                         (["--model", "tiny", "--tp", "3", "--any-engine"], "not divisible by tp"),
-                        (["--model", "tiny", "--backend", "deepspeed", "--compile"], "compile is not supported"),
+                        (["--model", "tiny", "--backend", "ddp", "--tp", "2"], "data parallel only"),
                         (["--model", "nope"], "known presets: tiny"),
                         (["--model", "tiny", "--hardware", "tpu"], "known profiles")):
         res = runner.invoke(app, ["estimate", *args])
         assert res.exit_code != 0 and match in str(res.exception)
+    # what only a measured run reads is no estimate option (it would be ignored): click refuses it
+    res = runner.invoke(app, ["estimate", "--model", "tiny", "--backend", "deepspeed", "--compile"])
+    assert res.exit_code == 2 and "No such option '--compile'" in res.output
+
+
+def test_each_command_offers_only_the_config_options_it_reads():
+    from bench.cli.options import MEASUREMENT_FIELDS
+    runner = CliRunner()
+    flags = {cmd: runner.invoke(app, [cmd, "--help"]).output for cmd in ("run", "estimate", "layout")}
+    measured = ["--" + name.replace("_", "-") for name in MEASUREMENT_FIELDS]
+    assert {"--fault", "--steps", "--warmup", "--repeat", "--timeout-s", "--profile"} <= set(measured)
+    assert all(f in flags["run"] for f in measured)
+    for cmd in ("estimate", "layout"):
+        assert [f for f in measured if f"{f} " in flags[cmd] or f"{f}/" in flags[cmd]] == [], cmd
+        assert "--micro-batches" in flags[cmd] and "--model-overrides" in flags[cmd]
 
 
 def test_plan_llama70b_1024_h100_fast():

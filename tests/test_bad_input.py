@@ -15,14 +15,14 @@ import click
 import pytest
 
 from bench.cli import app, main
-from bench.config import RunConfig, field_reason
+from bench.config import RunConfig, bounded, field_reason
 from bench.results import skipped_row
 from bench.results.store import ResultStore
 
 INPUTS = Path(__file__).resolve().parent / "bad_inputs"
 BAD_VALUES = ("0", "-1", "nan", "inf", "1e30", "abc", "true")
 YAML_VALUES = {"0": "0", "-1": "-1", "nan": ".nan", "inf": ".inf", "1e30": "1.0e+30", "abc": "abc", "true": "true"}
-NUMBER_FIELDS = [f.name for f in fields(RunConfig) if f.metadata["bounds"]]
+NUMBER_FIELDS = [f.name for f in fields(RunConfig) if bounded(f.name)]
 
 
 def _valid(name: str, text: str) -> bool:
@@ -55,6 +55,15 @@ for name in NUMBER_FIELDS:  # sweep: the same fields as sweep-file keys (written
 for flag in ("--tp", "--pp", "--dp", "--gpus-per-node", "--rack-size"):
     for text in BAD_VALUES:
         case(f"layout{flag}={text}", ["layout", flag, text], flag)
+# a combination a command cannot honour: an option it would ignore, or one it does not take
+case("layout-engine-option-without-model", ["layout", "--tp", "2", "--micro-batch", "4"], "--micro-batch", "--model")
+case("estimate-params-with-tp", ["estimate", "--params", "7e9", "--tp", "2"], "--tp", "--params")
+case("estimate-any-engine-with-device", ["estimate", "--model", "tiny", "--any-engine", "--device", "cpu"],
+     "--device", "--any-engine")
+for flag, value in (("--fault", "raise"), ("--steps", "3"), ("--warmup", "1"), ("--repeat", "1"),
+                    ("--timeout-s", "5"), ("--profile", None), ("--compile", None), ("--seed", "1")):
+    for command in ("estimate", "layout"):
+        case(f"{command}-takes-no{flag}", [command, "--model", "tiny", flag, *([value] if value else [])], flag)
 case("layout-world-size-contradicts", ["layout", "--tp", "2", "--pp", "2", "--dp", "2", "--world-size", "4"],
      "--world-size")
 PLAN = ["plan", "--model", "tiny", "--gpus", "8", "--hardware", "cpu", "--global-batch", "8"]

@@ -74,3 +74,25 @@ def test_test_only_faults_parse_and_combine():
     for bad in ("sleep", "raise:1", "grad_scale:x", "nonsense", "sgd:1,"):
         with pytest.raises(ConfigError, match="fault"):
             RunConfig(fault=bad)
+
+
+def test_fields_are_typed_by_their_annotations_and_documented_by_their_docstrings():
+    from bench.config import choices, help_text
+    assert help_text("tp") == "tensor-parallel size" and choices("zero") == (0, 1, 2, 3)
+    assert choices("fsdp") == ("full", "grad-op", "hybrid", "none") and choices("tp") == ()
+    for kwargs, message in ((dict(tp="2"), "tp must be an integer, got '2'"),  # strict: no guessing
+                            (dict(compile=1), "compile must be true or false"),
+                            (dict(bucket_mb=float("inf")), "bucket_mb must be a finite number"),
+                            (dict(tpp=2), r"unknown run config field\(s\) \['tpp'\]; did you mean 'tp'")):
+        with pytest.raises(ConfigError, match=message):
+            RunConfig(**kwargs)
+    assert RunConfig(bucket_mb=50).canonical()["bucket_mb"] == 50  # kept as written: the run id of 50, not 50.0
+    with pytest.raises(ConfigError, match="keyword arguments only"):
+        RunConfig("tiny")
+
+
+def test_unchecked_builds_the_same_config_without_a_check():
+    cfg = RunConfig(backend="fsdp", dp=2, micro_batches=2)
+    assert RunConfig.unchecked(backend="fsdp", dp=2, micro_batches=2) == cfg  # derived defaults filled (fsdp, seq)
+    impossible = RunConfig.unchecked(tp=3)  # no check: the planner's candidates check themselves
+    assert impossible.tp == 3 and impossible.world == 3

@@ -24,7 +24,7 @@ def sets(pools, tmp_path_factory):
 def report(sets, tmp_path_factory):
     from click.testing import CliRunner
 
-    from bench.report.commands import report as report_command
+    from bench.cli.report import report as report_command
     out = tmp_path_factory.mktemp("report")
     result = CliRunner().invoke(report_command, [str(sets["baseline"]), "-o", str(out)])
     assert result.exit_code == 0, result.output

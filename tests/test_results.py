@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from bench.config import RunConfig
+from bench.config import RunConfig, help_text
 from bench.report import compare
 from bench.results import (ALWAYS, COLUMNS, EXACT, NOISY, Compare, Kind, Status, comm_columns, failure_row,
                            markdown_table, measured_row, skipped_row, RankResult)
@@ -32,7 +32,7 @@ def test_the_row_schema_page_is_the_declaration_and_its_one_copy():
 def test_config_columns_are_runconfig_fields_with_their_help():
     for f in fields(RunConfig):
         col = COLUMNS[f.name]
-        assert col.kind == Kind.CONFIG and col.meaning == f.metadata["help"]
+        assert col.kind == Kind.CONFIG and col.meaning == help_text(f.name)
     assert COLUMNS["seq"].type == "int" and COLUMNS["bucket_mb"].type == "float"
     assert COLUMNS["sequence_parallel"].type == "bool" and COLUMNS["model_overrides"].type == "str"  # JSON list
 

@@ -12,7 +12,7 @@ import enum
 import typing
 from dataclasses import dataclass, fields, replace
 
-from bench.config import RunConfig
+from bench.config import RunConfig, help_text
 from bench.layout import DIMS
 
 SCHEMA_VERSION = 1
@@ -135,12 +135,14 @@ def comm_columns(what=tuple(COMM_WHAT), dims=DIMS) -> list[str]:
 
 def _config_type(hint) -> str:
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if typing.get_origin(hint) is typing.Literal:  # a choice field: the type of its values
+        args = [type(args[0])]
     return {bool: "bool", int: "int", float: "float"}.get(args[0], "str")
 
 
 def _config_columns() -> list[Column]:
     hints = typing.get_type_hints(RunConfig)  # real types, not annotation strings
-    return [Column(f.name, _config_type(hints[f.name]), f.metadata["help"], Kind.CONFIG) for f in fields(RunConfig)]
+    return [Column(f.name, _config_type(hints[f.name]), help_text(f.name), Kind.CONFIG) for f in fields(RunConfig)]
 
 
 def _measured(name, type_, unit, meaning, ranks, compare=Compare.IGNORED, kind=None, **kw) -> Column:

@@ -53,7 +53,9 @@ from typing import Annotated, Any, Optional
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, WrapValidator,
                       create_model, field_validator, model_validator)
 
-from bench.config import BACKENDS, ConfigError, RunConfig, check_number, fault_reason, field_reason, field_types
+from bench.choices import BACKENDS
+from bench.config import (LIST_FIELDS, ConfigError, RunConfig, annotation, check_number, choices, fault_reason,
+                          field_reason)
 from bench.config import model_config as resolve_model  # `model_config` is pydantic's name for a model's settings
 from bench.results import skipped_row
 from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
@@ -140,22 +142,18 @@ class Expansion:
 STRICT = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-def _in_bounds(name: str) -> AfterValidator:
-    """RunConfig's own rules for the field (bench.config.field_reason: range, finite), worded at the key path."""
-    def check(value):
-        reason = field_reason(name, value) or (fault_reason(value) if name == "fault" else None)
-        if reason:
-            raise mistake(reason)
-        return value
-    return AfterValidator(check)
-
-
 def _choice(name: str, choices: tuple) -> AfterValidator:
     def check(value):
         if value not in choices:
             raise mistake(f"{name} {value!r} is not one of {', '.join(map(str, choices))}{suggest(value, choices)}")
         return value
     return AfterValidator(check)
+
+
+def _no_fault(value):
+    if fault_reason(value):
+        raise mistake(fault_reason(value))
+    return value
 
 
 def _or_auto(value, handler):
@@ -165,16 +163,9 @@ def _or_auto(value, handler):
     try:
         return handler(value)
     except ValidationError as e:
-        ours = e.errors()[0]["type"] == "file"  # the bounds' own wording (dp must be a positive integer)
-        raise mistake(e.errors()[0]["ctx"]["problem"] if ours else
-                      f"dp must be an integer (or auto), got {value!r} ({kind(value)})") from None
-
-
-def _as_written(value, handler):
-    """Checked as a number but kept as written: 25 stays an int (the canonical form, hence the run id,
-    prints 25, not 25.0)."""
-    handler(value)
-    return value
+        if e.errors()[0]["type"] != "int_type":
+            raise
+        raise mistake(f"dp must be an integer (or auto), got {value!r} ({kind(value)})") from None
 
 
 def _key_values(value):
@@ -185,22 +176,25 @@ def _key_values(value):
 
 
 def _value_type(name: str):
-    """The type of one RunConfig field's value, from the field's annotation and choices."""
-    kind_, optional = field_types()[name]
-    choices = RUN_FIELDS[name].metadata["choices"]
-    if kind_ is tuple:
+    """The type of one RunConfig field's value: the field's own annotation (bounds, strictness), a choice
+    field's values worded as the file's key, and dp's `auto`."""
+    if name in LIST_FIELDS:
         return Annotated[Any, BeforeValidator(_key_values)]
-    value = Annotated[kind_, _choice(name, choices)] if choices else Annotated[kind_, _in_bounds(name)]
-    if kind_ is float:
-        value = Annotated[value, WrapValidator(_as_written)]
+    known = choices(name)
+    if known:  # the Literal's value type, then the choice in the sweep file's words
+        value = Annotated[type(known[0]), _choice(name, known)]
+        return Optional[value] if type(None) in typing.get_args(annotation(name)) else value
+    value = annotation(name)
+    if name == "fault":
+        value = Annotated[value, AfterValidator(_no_fault)]
     if name == "dp":
         value = Annotated[value, WrapValidator(_or_auto)]
-    return Optional[value] if optional else value
+    return value
 
 
 def _axis(name: str) -> BeforeValidator:
     """An axis: a list of values, or one value (a tuple field's list is one value)."""
-    one_value = field_types()[name][0] is tuple
+    one_value = name in LIST_FIELDS
 
     def as_list(value):
         if one_value or not isinstance(value, list):
@@ -218,7 +212,7 @@ class _SingleValues(BaseModel):
     @classmethod
     def _no_lists(cls, data):
         for name, value in (data.items() if isinstance(data, dict) else ()):
-            if isinstance(value, list) and name in RUN_FIELDS and field_types()[name][0] is not tuple:
+            if isinstance(value, list) and name in RUN_FIELDS and name not in LIST_FIELDS:
                 raise mistake(f"base values are single values; put the list {value!r} under grid.{name}", name)
         return data
 
@@ -403,7 +397,7 @@ class SweepFile(BaseModel):
             if not isinstance(run, dict) or not run:
                 raise mistake(f"a run is a non-empty mapping field: value, got {run!r}", i)
             for name, value in run.items():
-                if isinstance(value, list) and name in RUN_FIELDS and field_types()[name][0] is not tuple:
+                if isinstance(value, list) and name in RUN_FIELDS and name not in LIST_FIELDS:
                     raise mistake(f"a run holds single values; give each config its own run, or put the list "
                                   f"{value!r} under grid.{name}", i, name)
         return runs

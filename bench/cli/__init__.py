@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from bench.cli_options import config_from_options, config_options, echo_json
+from bench.cli.options import config_from_options, config_options, echo_json
 from bench.config import ConfigError
 
 
@@ -16,7 +16,7 @@ def app():
 
 
 @app.command()
-@config_options
+@config_options()
 @click.option("--launcher", type=click.Choice(["local", "debug"]), default="local", show_default=True,
               help="local: world-size processes on this machine; debug: in this process (world 1)")
 @click.option("--json", "as_json", is_flag=True, help="print the result row as one JSON object")
@@ -65,9 +65,9 @@ def _print_row(row: dict) -> None:
 
 def _register_groups() -> None:
     """One module per command group; each lists its click commands in COMMANDS (imports stay light)."""
-    from bench.analysis.commands import COMMANDS as analysis
-    from bench.report.commands import COMMANDS as report
-    from bench.sweep.commands import COMMANDS as sweep
+    from bench.cli.analysis import COMMANDS as analysis
+    from bench.cli.report import COMMANDS as report
+    from bench.cli.sweep import COMMANDS as sweep
     for command in (*sweep, *report, *analysis):
         app.add_command(command)
 
@@ -131,6 +131,3 @@ def _save_traceback() -> str:
             continue
     return "nowhere: no writable folder"
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""CLI commands of bench.sweep (registered on the `bench` app in bench/cli.py)."""
+"""CLI commands over bench.sweep (registered on the `bench` app in bench/cli/__init__.py): sweep, results."""
 from pathlib import Path
 
 import click

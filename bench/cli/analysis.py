@@ -1,10 +1,11 @@
-"""CLI commands of bench.analysis (registered on the `bench` app in bench/cli.py): layout, estimate,
-plan. They parse, call the pure functions of this package, and print."""
+"""CLI commands over bench.analysis (registered on the `bench` app in bench/cli/__init__.py): layout, estimate,
+plan. They parse, call the pure functions of bench.analysis, and print."""
 from __future__ import annotations
 
 import click
 
-from bench.cli_options import FRACTION, Number, config_from_options, config_options, echo_json, positive_int
+from bench.cli.options import (ENGINE_FIELDS, FRACTION, LAYOUT_FIELDS, MODEL_FIELDS, config_from_options, config_options,
+                               echo_json, given_options, number, positive_int, refuse_unused)
 
 COMMANDS: list[click.Command] = []
 
@@ -27,7 +28,7 @@ def _gib(n: float) -> str:
 
 
 @click.command("layout")
-@config_options
+@config_options(MODEL_FIELDS, LAYOUT_FIELDS, ENGINE_FIELDS)
 @click.option("--gpus-per-node", type=positive_int(), default=8, show_default=True, help="GPUs per node")
 @click.option("--rack-size", type=positive_int(), default=None,
               help="nodes per rack: warn about pipeline sends across racks")
@@ -39,6 +40,8 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
 
     With --model, each group also shows the ops and bytes per step it moves (other flags as `bench run`)."""
     from bench.analysis.explain import explain, format_text
+    if not options["model"]:
+        refuse_unused(options, LAYOUT_FIELDS, "without --model (the layout alone is explained); add --model")
     from bench.layout import Layout
     lay = Layout(_given(options, "tp", 1), _given(options, "pp", 1), _given(options, "dp", 1),
                  _given(options, "order", "tp-pp-dp"), gpus_per_node)
@@ -58,8 +61,8 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
 
 
 @click.command("estimate")
-@config_options
-@click.option("--params", "n_params", type=Number(False, (0, 1e16, True), "params"), default=None,
+@config_options(MODEL_FIELDS, LAYOUT_FIELDS, ENGINE_FIELDS)
+@click.option("--params", "n_params", type=number("params", gt=0, le=1e16), default=None,
               help="a bare parameter count (e.g. 7.5e9): model-state memory only, from --dp --zero --dtype")
 @click.option("--hardware", default=None, help="profile name (a100-80gb, h100-sxm, h200, cpu) or a YAML file: "
                                                 "adds the predicted step time, tokens/s and MFU")
@@ -76,6 +79,7 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
     from bench.analysis.estimate import estimate as predict
     from bench.analysis.estimate import estimate_params
     if n_params is not None:
+        refuse_unused(options, ("dp", "zero", "dtype"), "with --params (model-state memory from --dp --zero --dtype)")
         est = estimate_params(n_params, _given(options, "dp", 1), int(_given(options, "zero", 0)),
                               _given(options, "dtype", "bf16-mixed"), mixed_state)
     else:
@@ -89,28 +93,24 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
     _print_estimate(est)
 
 
+ANY_ENGINE_FIELDS = ("model", "model_overrides", "tp", "pp", "dp", "order", "backend", "zero", "fsdp", "schedule",
+                     "virtual_stages", "micro_batch", "micro_batches", "seq", "dtype", "sequence_parallel",
+                     "recompute", "bucket_mb")
+"""What --any-engine reads: the layout and the step, not what one backend or device needs."""
+
+
 def _shape_from_options(options: dict):
     """The run's fields with RunConfig's defaults, checked by RunConfig's layout and model rules only."""
-    from dataclasses import fields, replace
-
-    from bench.analysis.estimate import Shape
-    from bench.capabilities import CAPABILITIES
-    from bench.config import DEFAULTS, ConfigError, structural_reason
+    from bench.config import ConfigError, RunConfig, structural_reason
     from models.config import get_preset
-    defaults = {name: DEFAULTS[name] for name in (f.name for f in fields(Shape)) if name in DEFAULTS}
-    given = {k: v for k, v in options.items() if v is not None and v != () and k in defaults}
-    values = {**defaults, **given, "zero": int(given.get("zero", 0))}
-    if values["fsdp"] is None and values["backend"] in CAPABILITIES:
-        values["fsdp"] = CAPABILITIES[values["backend"]].fsdp_default
-    values["model_overrides"] = tuple(values.get("model_overrides") or ())
-    get_preset(values["model"])  # unknown preset: the error lists the known ones
-    shape = Shape(**values)
-    if not shape.seq:
-        shape = replace(shape, seq=shape.model_config.seq_len)
-    reason = structural_reason(shape)
+    refuse_unused(options, ANY_ENGINE_FIELDS, "with --any-engine (layout and model checks only); drop it or them")
+    given = given_options(options)
+    get_preset(given.get("model", "tiny"))  # unknown preset: the error lists the known ones
+    cfg = RunConfig.unchecked(**given)
+    reason = structural_reason(cfg)
     if reason:
         raise ConfigError(reason)
-    return shape
+    return cfg
 
 
 def _print_estimate(est: dict) -> None:

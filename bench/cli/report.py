@@ -1,4 +1,4 @@
-"""CLI commands of bench.report (registered on the `bench` app in bench/cli.py): report, compare, history.
+"""CLI commands over bench.report (registered on the `bench` app in bench/cli/__init__.py): report, compare, history.
 Commands parse, call, print; imports of pandas/matplotlib stay inside the functions."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import click
 
-from bench.cli_options import positive_int
+from bench.cli.options import positive_int
 
 COMMANDS: list[click.Command] = []
 
