@@ -1,7 +1,8 @@
-"""torch.distributed set-up: the backend choice, initialisation from the environment, ProcessGroups.
+"""torch.distributed set-up: a rank's device and default group from the environment, and ProcessGroups.
 
-A rank starts with `setup_rank` (its device, then its default group); nothing else in the suite calls
-`init_process_group`. Everything that needs a layout's groups receives the `ProcessGroups` built here.
+A rank enters `rank_session` (`setup_rank`: its device, then its default group bound to it; the group
+destroyed on leaving); nothing else in the suite calls `init_process_group`. The communication backend
+for a device is `bench.device.comm_backend`. Everything that needs a layout's groups receives the `ProcessGroups` built here.
 """
 from __future__ import annotations
 

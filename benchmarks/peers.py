@@ -106,13 +106,13 @@ def print_profile_overhead(plain: list[dict], profiled: list[dict]) -> None:
 def run_with_and_without_profile(args, out: Path) -> None:
     """A profiled run has the same run id as the plain one (the profiled step is extra), so the two go to
     OUT/plain and OUT/profiled, round by round: repeat k of both before repeat k+1 of either."""
-    from bench.sweep.runner import run_sweep
+    from bench.sweep.runner import prepare, run_sweep
     from bench.sweep.spec import parse_sweep
     from bench.results.store import load_results
     for k in range(args.repeats):
         for profile in (False, True):
             spec = parse_sweep(sweep_data(args, repeats=k + 1, profile=profile), source="benchmarks/peers.py")
-            run_sweep(spec, out / ("profiled" if profile else "plain"), resume=k > 0)  # runs repeat k only
+            run_sweep(prepare(spec, out / ("profiled" if profile else "plain")), resume=k > 0)  # runs repeat k only
     plain, profiled = (summarise(load_results(out / part)) for part in ("plain", "profiled"))
     print_summary(plain, load_line())
     print_profile_overhead(plain, profiled)
@@ -143,14 +143,14 @@ def main() -> None:
         return
     if args.world4:
         args.layouts = list(dict.fromkeys([*args.layouts, "tp2pp2", "pp2dp2", "tp2dp2"]))
-    from bench.sweep.runner import run_sweep
+    from bench.sweep.runner import prepare, run_sweep
     from bench.sweep.spec import parse_sweep
     out = args.out or Path("results/peers") / time.strftime("%Y%m%dT%H%M%S")
     if args.profile:
         run_with_and_without_profile(args, out)
         return
     before = load_line()
-    run_sweep(parse_sweep(sweep_data(args), source="benchmarks/peers.py", default_name="peers"), out)
+    run_sweep(prepare(parse_sweep(sweep_data(args), source="benchmarks/peers.py", default_name="peers"), out))
     print(f"rows in {out}; git {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}")
     print_summary(summarise(load_results(out)), f"{load_line()} (before: {before})")
 

@@ -9,7 +9,7 @@ import pytest
 
 from bench.report.compare import judge
 from bench.report.render import build_report
-from bench.sweep.runner import run_sweep
+from bench.sweep.runner import prepare, run_sweep
 from bench.sweep.spec import SweepError, expand, parse_sweep
 from bench.results.store import load_results
 
@@ -57,7 +57,7 @@ def test_profiled_sweep_interleaves_writes_traces_beside_rows_and_the_report_lin
     spec = _spec(name="fair", model="tiny", base={"steps": 1, "warmup": 0, "device": "cpu", "profile": True},
                  grid={"micro_batch": [1, 2]}, repeats=2)
     out = tmp_path / "out"
-    outcome = run_sweep(spec, out, progress=False)
+    outcome = run_sweep(prepare(spec, out), progress=False)
     assert outcome.counts["ok"] == 4
     assert [(r["repeat"], r["micro_batch"]) for r in outcome.rows] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     df = load_results(out)
@@ -85,14 +85,14 @@ def test_profile_refused_in_one_line_where_traces_cannot_be_written(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: --profile: cannot write traces to")
     spec = _spec(model="tiny", base={"profile": True}, grid={"tp": [1]})
     with pytest.raises(ValueError, match="--profile: cannot write traces"):
-        run_sweep(spec, blocker / "out", progress=False)
+        run_sweep(prepare(spec, blocker / "out"), progress=False)
 
 
 def test_profile_refused_for_a_launcher_without_this_file_system(tmp_path):
     spec = _spec(model="tiny", base={"profile": True}, grid={"tp": [1]},
                  launcher={"kind": "slurm", "profile": "local"})
     with pytest.raises(ValueError, match="profile: the slurm launcher"):
-        run_sweep(spec, tmp_path / "out", progress=False)
+        run_sweep(prepare(spec, tmp_path / "out"), progress=False)
     assert not (tmp_path / "out").exists()  # nothing written, nothing submitted
 
 

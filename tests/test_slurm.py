@@ -47,7 +47,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def slurm_sweep(cluster, tmp_path_factory):
     """One sweep, two job arrays: world 2 (an ok run and a failing one) and world 1 (three seeds)."""
-    from bench.sweep.runner import run_sweep
+    from bench.sweep.runner import prepare, run_sweep
     from bench.sweep.spec import load_sweep
     tmp = tmp_path_factory.mktemp("slurm")
     (tmp / "s.yaml").write_text("""
@@ -63,7 +63,7 @@ exclude:
 launcher: {kind: slurm, profile: local}
 """)
     t0 = time.monotonic()
-    outcome = run_sweep(load_sweep(tmp / "s.yaml"), tmp / "out", progress=False)
+    outcome = run_sweep(prepare(load_sweep(tmp / "s.yaml"), tmp / "out"), progress=False)
     return {"outcome": outcome, "out": tmp / "out", "wall": time.monotonic() - t0}
 
 

@@ -196,18 +196,18 @@ def test_prune_on_cpu_shares_the_host_memory_and_unknown_gpus_warn(tmp_path):
 def test_pruned_rows_never_block_a_later_unpruned_run(tmp_path):
     """In-process (debug launcher, world 1): a pruned run's skipped row is replaced by its measurement when
     the sweep runs again without prune (--resume), under the same id; pruning again keeps the measurement."""
-    from bench.sweep.runner import run_sweep
+    from bench.sweep.runner import prepare, run_sweep
     sweep = "name: prune-resume\nbase: {steps: 1, warmup: 0, device: cpu}\ngrid: {recompute: [none, full]}\n" \
             "launcher: debug\n"
     pruned = load_sweep(_write(tmp_path / "p.yaml", sweep + "prune: {slower_than_best: 1.05}\n"))
-    first = run_sweep(pruned, tmp_path / "out", progress=False)
+    first = run_sweep(prepare(pruned, tmp_path / "out"), progress=False)
     assert first.counts["ok"] == 1 and first.counts["skipped"] == 1
     (skipped,) = [r for r in first.rows if r["status"] == "skipped"]
     assert skipped["recompute"] == "full" and skipped["error"].startswith("pruned: predicted")
     full = load_sweep(_write(tmp_path / "f.yaml", sweep))
-    again = run_sweep(full, tmp_path / "out", resume=True, progress=False)
+    again = run_sweep(prepare(full, tmp_path / "out"), resume=True, progress=False)
     assert again.resumed == 1 and [(r["run_id"], r["status"]) for r in again.rows] == [(skipped["run_id"], "ok")]
-    third = run_sweep(pruned, tmp_path / "out", resume=True, progress=False)
+    third = run_sweep(prepare(pruned, tmp_path / "out"), resume=True, progress=False)
     assert third.rows == [] and third.resumed == 2
     assert set(load_results(tmp_path / "out").status) == {"ok"}
 
@@ -268,7 +268,7 @@ def _write(path: Path, text: str) -> Path:
 @pytest.fixture(scope="module")
 def local_sweep(tmp_path_factory):
     """One real sweep on world 2: ok, a hung rank, a raising rank, ok again; plus a skipped combination."""
-    from bench.sweep.runner import run_sweep
+    from bench.sweep.runner import prepare, run_sweep
     tmp = tmp_path_factory.mktemp("local")
     spec = load_sweep(_write(tmp / "mixed.yaml", """
 name: mixed
@@ -283,7 +283,7 @@ exclude: [{tp: 3, fault: [hang, raise]}]
 """))
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.monotonic()
-    outcome = run_sweep(spec, tmp / "out", progress=False)
+    outcome = run_sweep(prepare(spec, tmp / "out"), progress=False)
     return {"outcome": outcome, "wall": time.monotonic() - t0, "before": before, "out": tmp / "out"}
 
 
@@ -320,11 +320,11 @@ def _proc(pid):
 
 
 def test_existing_output_needs_resume(local_sweep):
-    from bench.sweep.runner import run_sweep
+    from bench.sweep.runner import prepare, run_sweep
     spec = load_sweep(local_sweep["out"] / "sweep.yaml")
     with pytest.raises(ValueError, match="--resume"):
-        run_sweep(spec, local_sweep["out"], progress=False)
-    again = run_sweep(spec, local_sweep["out"], resume=True, progress=False)  # nothing left to run
+        run_sweep(prepare(spec, local_sweep["out"]), progress=False)
+    again = run_sweep(prepare(spec, local_sweep["out"]), resume=True, progress=False)  # nothing left to run
     assert again.resumed == 3 and sum(again.counts.values()) == 1  # the skipped row is rewritten
 
 
@@ -428,7 +428,7 @@ def test_dry_run_prints_the_table_and_counts():
 
 def test_resume_skips_stored_runs_and_retry_failed_reruns_only_the_failed(tmp_path):
     """In-process (debug launcher, world 1): resume launches nothing stored; --retry-failed reruns failures."""
-    from bench.sweep.runner import run_sweep
+    from bench.sweep.runner import prepare, run_sweep
     saved = dict(os.environ)
     try:
         spec = load_sweep(_write(tmp_path / "d.yaml", """
@@ -437,12 +437,12 @@ base: {steps: 1, warmup: 0}
 grid: {seed: [0, 1], fault: [none, raise]}
 launcher: debug
 """))
-        first = run_sweep(spec, tmp_path / "out", progress=False)
+        first = run_sweep(prepare(spec, tmp_path / "out"), progress=False)
         assert first.counts["ok"] == 2 and first.counts["failed"] == 2
         failed_ids = {r["run_id"] for r in first.rows if r["status"] == "failed"}
-        again = run_sweep(spec, tmp_path / "out", resume=True, progress=False)
+        again = run_sweep(prepare(spec, tmp_path / "out"), resume=True, progress=False)
         assert again.resumed == 4 and again.rows == []
-        retry = run_sweep(spec, tmp_path / "out", retry_failed=True, progress=False)
+        retry = run_sweep(prepare(spec, tmp_path / "out"), retry_failed=True, progress=False)
         assert retry.resumed == 2 and {r["run_id"] for r in retry.rows} == failed_ids
         assert len(load_results(tmp_path / "out")) == 4
     finally:

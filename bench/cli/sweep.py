@@ -31,25 +31,22 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     exits 0 (1 with --fail-on-failure); a mistake in the inputs exits 2 before anything launches."""
     from rich.console import Console
 
-    from bench.sweep.runner import dry_run_table, make_launcher, plan, print_counts, run_sweep, summary_table
+    from bench.sweep.runner import dry_run_table, prepare, print_counts, run_sweep, summary_table
     from bench.sweep.spec import load_sweep
     spec = load_sweep(file)
     if profile and (launcher or spec.launcher.kind) != "slurm":
         raise click.UsageError("--profile applies to the slurm launcher; add --launcher slurm")
     out = Path(out or Path("results") / spec.name)
-    launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
-    exp = plan(spec, launch, predict=dry_run)  # every error before any launch
+    prepared = prepare(spec, out, launcher, profile, exclusive, max_parallel, predict=dry_run)  # every error first
     from bench.sweep.prune import warn
-    warn(exp.warnings)
+    warn(prepared.exp.warnings)
     console = Console(highlight=False, width=max(Console().width, 140))
     if dry_run:
-        table, counts = dry_run_table(spec, exp, launch)
+        table, counts = dry_run_table(spec, prepared.exp, prepared.launch)
         console.print(table)
         console.print(counts)
         return
-    result = run_sweep(spec, out, launcher=launcher, profile=profile, resume=resume or retry_failed,
-                       retry_failed=retry_failed, exclusive=exclusive, max_parallel=max_parallel,
-                       progress=not no_progress)
+    result = run_sweep(prepared, resume=resume or retry_failed, retry_failed=retry_failed, progress=not no_progress)
     from bench.results.store import load_results
     df = load_results(out)
     rows = df.astype(object).where(df.notna(), None).to_dict("records")

@@ -191,6 +191,6 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     n_local = local_logits.shape[-1]
     if p == 1:  # the whole vocabulary is here: the reference loss exactly
         return F.cross_entropy(local_logits.reshape(-1, n_local).float(), targets.reshape(-1))
-    vocab_start = (dist.get_rank(group) if p > 1 else 0) * n_local
+    vocab_start = dist.get_rank(group) * n_local
     flat = local_logits.reshape(-1, n_local).float()
     return _VocabParallelCE.apply(flat, targets.reshape(-1), vocab_start, group).mean()

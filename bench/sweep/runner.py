@@ -118,13 +118,30 @@ def _check_local_size(spec: SweepSpec, exp: Expansion) -> None:
         raise SweepError(spec.source, key, reason)
 
 
-def run_sweep(spec: SweepSpec, out: str | Path, launcher: str | None = None, profile: str | None = None,
-              resume: bool = False, retry_failed: bool = False, exclusive: bool = False,
-              max_parallel: int | None = None, progress: bool = True) -> SweepOutcome:
-    t_start = time.monotonic()
+@dataclass
+class PreparedSweep:
+    """A sweep decided before anything starts: its file, output folder, launcher and expansion (every run,
+    every skipped row, the predictions of a pruned or dry run). `bench sweep` shows or runs this one
+    object, so a sweep is expanded once."""
+
+    spec: SweepSpec
+    out: Path
+    launch: Launcher
+    exp: Expansion
+
+
+def prepare(spec: SweepSpec, out: str | Path, launcher: str | None = None, profile: str | None = None,
+            exclusive: bool = False, max_parallel: int | None = None, predict: bool = False) -> PreparedSweep:
+    """Choose the launcher and expand the sweep (`plan`): every error of the inputs is raised here."""
     out = Path(out)
     launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
-    exp = plan(spec, launch)
+    return PreparedSweep(spec, out, launch, plan(spec, launch, predict))
+
+
+def run_sweep(sweep: PreparedSweep, resume: bool = False, retry_failed: bool = False,
+              progress: bool = True) -> SweepOutcome:
+    t_start = time.monotonic()
+    spec, out, launch, exp = sweep.spec, sweep.out, sweep.launch, sweep.exp
     check_profile(exp.runs, launch, out)
     store = ResultStore(out, sweep_columns(spec, launch.kind))
     held = store.files()
