@@ -26,6 +26,7 @@ from bench.analysis.hardware import Hardware, get_hardware
 from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memory
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import step_terms
+from bench.capabilities import engine
 from bench.config import BatchShape
 from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
@@ -64,9 +65,9 @@ class Shape(BatchShape):
 
 
 def default_mixed_state(cfg) -> str:
-    """How the backend keeps mixed-precision state: DeepSpeed as the ZeRO paper (2+2+12), the
-    torch.autocast-based engines of this suite in fp32 (4+4+8)."""
-    return "zero" if cfg.backend == "deepspeed" else "autocast"
+    """How the backend keeps mixed-precision state (its Engine record): DeepSpeed as the ZeRO paper
+    (2+2+12), the torch.autocast-based engines of this suite in fp32 (4+4+8)."""
+    return engine(cfg).mixed_state
 
 
 def extreme_stages(pp: int) -> list[int]:
