@@ -186,6 +186,19 @@ class Engine:
     """At ZeRO-0 with a pipeline in bf16 its optimizer partitions the fp32 master over dp, as ZeRO-1
     (DeepSpeed's BF16_Optimizer, engine._do_optimizer_sanity_check)."""
 
+    def __post_init__(self):
+        for name, allowed in ENGINE_CHOICES.items():  # a misspelt value would silently take another branch
+            value = getattr(self, name)
+            assert value in allowed, f"engine {self.name}: {name}={value!r}, not one of {allowed}"
+
+
+ENGINE_CHOICES = {"mixed_state": ("zero", "autocast"), "shards_by": ("zero-stage", "fsdp-mode"),
+                  "data_parallel": ("flat-buckets", "zero-partitions", "dim0-shards", "reducer"),
+                  "grads_freed": ("zero_grad", "step_start", "never"),
+                  "pipeline": ("schedule-lists", "pipe-engine", "torch-pipelining"),
+                  "optimizer_steps": ("parameters", "partition", "bucket-shards")}
+"""The values each of Engine's enumerated fields takes (the cost model switches on them)."""
+
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("native", "autocast", "zero-stage", "flat-buckets", casts_weights_once=True, recompute_reruns_tp=True,

@@ -14,7 +14,8 @@ _MIXED = click.option("--mixed-state", type=click.Choice(["zero", "autocast", "m
                            "megatron = 2+4+12 (fp32 main gradients) [default: the backend's own, as its row's pred_*]")
 _ACTS = click.option("--activations", type=click.Choice(["table2", "suite"]), default=None,
                      help="table2 = Korthikanti et al. 2022 (dropout, attention scores saved); "
-                          "suite = this suite's GPT (no dropout, fused attention) [default: suite, as the rows' pred_*]")
+                          "suite = this suite's GPT (no dropout, fused attention) "
+                          "[default: suite, as the rows' pred_*]")
 
 
 def _given(options: dict, name: str, default):
