@@ -82,6 +82,19 @@ ZERO_DEFAULTS = {"contiguous_gradients": True, "reduce_scatter": True}
 (DeepSpeed's own defaults; overlap_comm, on at stage 3 only, is set per stage)."""
 
 
+DEEPSPEED_RUNTIME = {
+    "steps_per_print": 10**9,
+    "wall_clock_breakdown": False,
+    # DeepSpeed's throughput timer (on by default) synchronises the whole device at every forward
+    # and every engine.step (engine.py `tput_timer`, utils/timer.py): on a GPU a host stall per
+    # micro-batch that no other backend pays and that neither sync counter sees
+    "timers": {"throughput": {"enabled": False}},
+    "dump_state": False,
+}
+"""The knobs of every run's DeepSpeed config that only shape how its engine runs (beside
+`deepspeed_sections`, which follow from the RunConfig)."""
+
+
 class DSSetError(ValueError):
     """A malformed `ds_set` entry (the message names it and the expected form)."""
 
@@ -186,7 +199,7 @@ def check_ds_set(cfg) -> str | None:
     """Why the `ds_set` overrides of `cfg` cannot run, or None (the last of bench.capabilities' checks
     for an engine that takes them)."""
     try:
-        config = apply_ds_set(deepspeed_sections(cfg), cfg.ds_set)
+        config = apply_ds_set({**deepspeed_sections(cfg), **DEEPSPEED_RUNTIME}, cfg.ds_set)
     except DSSetError as e:
         return f"backend deepspeed: {e}"
     zero = config.get("zero_optimization", {})

@@ -1,28 +1,18 @@
 """The DeepSpeed config of a run, generated from its RunConfig (never hand-written), `ds_set` applied.
 
 Pure (no torch, no deepspeed import): a test can read the generated config without a rank. What
-follows from the RunConfig (batch, ZeRO and its buckets, precision) and the `ds_set` arithmetic are
-conventions (`bench.conventions`: the cost model and bench.capabilities read them too); this module
-adds the knobs that only shape how the engine runs.
+follows from the RunConfig (batch, ZeRO and its buckets, precision), the knobs that only run the engine
+and the `ds_set` arithmetic are conventions (`bench.conventions`: the cost model and
+bench.capabilities' check read them too); this module puts them together for the backend.
 """
 from __future__ import annotations
 
-from bench.conventions import apply_ds_set, deepspeed_sections
-
-_RUNTIME = {
-    "steps_per_print": 10**9,
-    "wall_clock_breakdown": False,
-    # DeepSpeed's throughput timer (on by default) synchronises the whole device at every forward
-    # and every engine.step (engine.py `tput_timer`, utils/timer.py): on a GPU a host stall per
-    # micro-batch that no other backend pays and that neither sync counter sees
-    "timers": {"throughput": {"enabled": False}},
-    "dump_state": False,
-}
+from bench.conventions import DEEPSPEED_RUNTIME, apply_ds_set, deepspeed_sections
 
 
 def generate(cfg) -> dict:
     """The config DeepSpeed gets for `cfg`, before `ds_set` overrides."""
-    return {**deepspeed_sections(cfg), **_RUNTIME}
+    return {**deepspeed_sections(cfg), **DEEPSPEED_RUNTIME}
 
 
 def final_config(cfg) -> dict:
