@@ -3,7 +3,7 @@
 - element bytes of each training precision, and the matmul key of its peak FLOP/s;
 - the per-collective wire-byte rule (the worker's counter and the cost model both use it);
 - the devices' datasheet peaks (MFU's denominator on GPU; the hardware profiles start from them);
-- the arithmetic of a run's DeepSpeed config: gradient element size, bucket sizes in elements, the
+- a run's DeepSpeed config as data: gradient element size, bucket sizes in elements, its fixed knobs, the
   `ds_set` overrides and their check, DeepSpeed's defaults of the knobs the cost model reads.
 
 No torch and no other `bench` module: `bench.analysis`, `bench.metrics`, `bench.capabilities` and
