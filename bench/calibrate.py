@@ -455,7 +455,7 @@ def profile_from(cal: Calibration, name: str | None) -> Hardware:
 def link_figures(cal: Calibration) -> tuple[float, float]:
     """(latency s, wire bytes/s) of a pair's all-reduce, from its curve's ends: the profile's summary
     figures for the layout explainer and whatever reads a link, not the time model (it reads the curve)."""
-    from bench.analysis.comm import wire_bytes
+    from bench.conventions import wire_bytes
     points = cal.curve("all_reduce", 2)
     (_, small), (big_b, big_t) = points[0], points[-1]
     return small, wire_bytes("all_reduce", big_b, 2) / max(big_t - small, big_t / 2)

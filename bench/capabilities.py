@@ -7,8 +7,13 @@ a config with them, returning one line that names the field and the fix.
 
 Pure data and integer comparisons: no torch, no import of the backends themselves (where each
 backend's `build` lives is bench/backends/registry.py), so a sweep or the planner can ask before any
-process starts. The DeepSpeed-specific `ds_set` overrides are parsed by
-`bench.backends.deepspeed_config.check`, pure as well, called from here.
+process starts. The DeepSpeed-specific `ds_set` overrides are checked by
+`bench.conventions.check_ds_set`, pure as well, called from here.
+
+Beside each backend's `Capabilities` (what it accepts) is its `Engine` record (how it trains, as the
+cost model in bench/analysis needs to know it): the state convention, what dp shards, where
+gradients live and when they are reduced, the copies around collectives, the schedule it executes.
+The cost model switches on these declared properties, never on a backend's name.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bench.choices import BACKENDS, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES  # noqa: F401 - re-exported
+from bench.conventions import check_ds_set
 from bench.schedule import SCHEDULES
 
 if TYPE_CHECKING:
@@ -92,6 +98,121 @@ CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (
 assert tuple(CAPABILITIES) == BACKENDS, "bench/choices.py names every backend, in this order"
 
 
+# --- how each backend trains, for the cost model ------------------------------------------------
+ZERO_SHARDS = {0: "none", 1: "optimizer", 2: "grads", 3: "params"}
+"""What ZeRO stage k shards over dp (Rajbhandari et al. 2020 §5): nothing, + optimizer, + grads, + params."""
+FSDP_SHARDS = {"none": "none", "grad-op": "params", "full": "params", "hybrid": "params"}
+"""What each FSDP2 mode shards: grad-op stores shards too (it gathers them for forward + backward and
+keeps them gathered between); hybrid over its shard group (`hybrid_shard`), none replicates."""
+
+# DeepSpeed's own copies, bytes per parameter of the rank at fp32 gradients: (a, b, c) = a + b/n per
+# gradient reduction round and c/n per step over n data-parallel ranks, counted under TorchDispatchMode
+# at dp 2 and 4 (tests/test_time_model.py). A round flattens the gradients into the reduce bucket and
+# averages them, and at ZeRO ≥ 1 copies the rank's slice out to its fp32 partition; the step's work is
+# on the partition: the gradient norm's read, the updated partition copied into the gathered
+# parameters. ZeRO-0 copies the averaged bucket back to the gradients. ZeRO-3 also copies around each
+# parameter all-gather, as FSDP2 does (`bench.analysis.time_model.shard_copy_factor`).
+DEEPSPEED_COPY_BYTES = {0: (24, 0, 0), 1: (26, 12, 36), 2: (26, 12, 36), 3: (24, 8, 52)}
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How one backend trains, as data the cost model (bench/analysis) reads instead of its name."""
+
+    name: str
+    mixed_state: str
+    """Its mixed-precision model state convention (bench.analysis.memory.MIXED_STATES): `zero`, low-
+    precision weights and grads with an fp32 copy in the optimizer (DeepSpeed casts the module); or
+    `autocast`, fp32 weights and grads, low precision only inside torch.autocast's matmuls."""
+    shards_by: str
+    """What chooses the dp sharding: `zero-stage` (`--zero`, ZERO_SHARDS) or `fsdp-mode` (`--fsdp`,
+    FSDP_SHARDS; hybrid shards within `bench.analysis.memory.hybrid_shard` ranks)."""
+    data_parallel: str
+    """How gradients and state are laid out and reduced over dp: `flat-buckets` (bench.native: flat
+    fp32 buckets of bucket_mb, padded to dp under ZeRO-1), `zero-partitions` (DeepSpeed's
+    stage_1_and_2.py / stage3.py: flat partitions, ipg reduce buckets of reduce_bucket_size
+    elements, ZeRO-3's prefetch coordinator), `dim0-shards` (FSDP2: one group per block and a root,
+    dim 0 padded to the shard count) or `reducer` (torch DDP's gradient buckets)."""
+    vocab_parallel: bool = True
+    """Under tp the token embedding and the head are split over the vocabulary (the native layers,
+    which DeepSpeed reuses); False: replicated (the fsdp backend's DTensor plan covers the blocks only)."""
+    autocast_copies: bool = True
+    """Under the `autocast` convention its low-precision compute copies are torch.autocast's (saved
+    weight copies, fp32 norm inputs); False: it computes in gathered low-precision parameters
+    (FSDP2's MixedPrecisionPolicy)."""
+    casts_weights_once: bool = False
+    """Keeps autocast's weight copies for the whole step (one cast per layer a step, bench.native's
+    `Pipeline._weight_casts_kept`); False: every micro-batch's forward casts again."""
+    mixed_comm_bytes: tuple[int, int] | None = None
+    """(gradient reduction, parameter gather) element bytes under mixed precision when the engine fixes
+    them (FSDP2's MixedPrecisionPolicy: reduce in fp32, gather in bf16); None: the state convention's."""
+    recompute_reruns_tp: bool = False
+    """Full recomputation re-runs each block's tp collectives in backward (torch.utils.checkpoint over
+    the native tp layers)."""
+    backward_makes_grads: bool = True
+    """Backward allocates the gradients; False: it accumulates into persistent flat buckets (bench.native)."""
+    grads_freed: str = "zero_grad"
+    """When the step frees the gradient state before its peak: `zero_grad` (torch's
+    zero_grad(set_to_none=True): freed, made again only after one micro-batch's peak), `step_start`
+    (DeepSpeed makes its gradient partition only at the optimizer step) or `never` (persistent buckets)."""
+    runs_schedule_without_pipeline: bool = False
+    """At pp = 1 it still runs its schedule's action lists (bench.native); False: it accumulates one
+    micro-batch at a time (1F1B at p = 1)."""
+    fills_when_m_is_p: bool = True
+    """Its interleaved schedule fills the pipeline when micro_batches = pp (bench.schedule.interleaved);
+    torch.distributed.pipelining's does not."""
+    pipeline: str = "schedule-lists"
+    """What runs its pipeline: `schedule-lists` (bench.schedule's action lists, sends as they come),
+    `pipe-engine` (DeepSpeed's PipelineEngine: tensors partitioned over tp, loss broadcast) or
+    `torch-pipelining` (torch.distributed.pipelining: FSDP2 keeps blocks unsharded between backwards)."""
+    reduces_after_backward: bool = False
+    """The once-a-step gradient reduction runs after backward, at the accumulation boundary (DeepSpeed,
+    overlap_comm off); False: its buckets overlap the last micro-batch's backward."""
+    partition_accumulation_from: int | None = None
+    """The ZeRO stage from which gradients accumulate into the rank's 1/dp partition (DeepSpeed: 2)."""
+    copy_bytes: dict | None = None
+    """Bytes per parameter it copies around its dp collectives, per ZeRO stage (DEEPSPEED_COPY_BYTES);
+    None: the copies follow from its traffic (bench.analysis.time_model.backend_copy_bytes)."""
+    optimizer_steps: str = "parameters"
+    """What its optimizer steps on under ZeRO ≥ 1: `parameters` (one tensor each), `partition` (one flat
+    partition: DeepSpeed) or `bucket-shards` (one shard per gradient bucket at dp > 1: bench.native)."""
+    bf16_pipeline_optimizer: bool = False
+    """At ZeRO-0 with a pipeline in bf16 its optimizer partitions the fp32 master over dp, as ZeRO-1
+    (DeepSpeed's BF16_Optimizer, engine._do_optimizer_sanity_check)."""
+
+    def __post_init__(self):
+        for name, allowed in ENGINE_CHOICES.items():  # a misspelt value would silently take another branch
+            value = getattr(self, name)
+            assert value in allowed, f"engine {self.name}: {name}={value!r}, not one of {allowed}"
+
+
+ENGINE_CHOICES = {"mixed_state": ("zero", "autocast"), "shards_by": ("zero-stage", "fsdp-mode"),
+                  "data_parallel": ("flat-buckets", "zero-partitions", "dim0-shards", "reducer"),
+                  "grads_freed": ("zero_grad", "step_start", "never"),
+                  "pipeline": ("schedule-lists", "pipe-engine", "torch-pipelining"),
+                  "optimizer_steps": ("parameters", "partition", "bucket-shards")}
+"""The values each of Engine's enumerated fields takes (the cost model switches on them)."""
+
+
+ENGINES: dict[str, Engine] = {e.name: e for e in (
+    Engine("native", "autocast", "zero-stage", "flat-buckets", casts_weights_once=True, recompute_reruns_tp=True,
+           backward_makes_grads=False, grads_freed="never", runs_schedule_without_pipeline=True,
+           optimizer_steps="bucket-shards"),
+    Engine("deepspeed", "zero", "zero-stage", "zero-partitions", grads_freed="step_start", pipeline="pipe-engine",
+           reduces_after_backward=True, partition_accumulation_from=2, copy_bytes=DEEPSPEED_COPY_BYTES,
+           optimizer_steps="partition", bf16_pipeline_optimizer=True),
+    Engine("fsdp", "autocast", "fsdp-mode", "dim0-shards", vocab_parallel=False, autocast_copies=False,
+           mixed_comm_bytes=(4, 2), fills_when_m_is_p=False, pipeline="torch-pipelining"),
+    Engine("ddp", "autocast", "zero-stage", "reducer"),
+)}
+assert set(ENGINES) == set(CAPABILITIES), "every backend declares both its capabilities and its engine"
+
+
+def engine(cfg) -> Engine:
+    """The Engine record of `cfg`'s backend."""
+    return ENGINES[cfg.backend]
+
+
 def can_run(backend: str, cfg: "RunConfig") -> bool:
     return unsupported_reason(cfg, backend) is None
 
@@ -108,8 +229,7 @@ def unsupported_reason(cfg: "RunConfig", backend: str | None = None) -> str | No
         if reason:
             return reason
     if caps.ds_set:
-        from bench.backends import deepspeed_config  # pure: parses ds_set, no torch
-        return deepspeed_config.check(cfg)
+        return check_ds_set(cfg)
     return None
 
 

@@ -44,6 +44,8 @@ from bench.analysis.params import (
     zero3_padded_sums,
     zero3_prefetch_gathers,
 )
+from bench.capabilities import CAPABILITIES, engine
+from bench.conventions import wire_bytes
 from bench.results.schema import comm_column, comm_columns, comm_op_column
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
@@ -71,44 +73,31 @@ class Traffic:
         return wire_bytes(self.kind, self.payload, self.group) * self.ops
 
 
-def wire_bytes(kind: str, payload: float, n: int) -> float:
-    """Bytes one rank moves for `payload` under a ring algorithm in a group of n ranks (all-gather:
-    payload is the gathered output; reduce-scatter: the full input). The worker's counter
-    (bench.metrics.comm) and the cost model both use this rule."""
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * payload
-    if kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * payload
-    return float(payload)
-
-
 def _bytes_per_param(cfg, mixed_state: str) -> tuple[int, int]:
     """(gradient reduction, parameter all-gather) element bytes for the backend."""
-    prec = precision(cfg.dtype, mixed_state)
-    if cfg.backend == "fsdp" and cfg.dtype != "fp32":  # MixedPrecisionPolicy: bf16 gathers, fp32 reduce
-        return 4, 2
+    prec, fixed = precision(cfg.dtype, mixed_state), engine(cfg).mixed_comm_bytes
+    if fixed and cfg.dtype != "fp32":  # e.g. FSDP2's MixedPrecisionPolicy: bf16 gathers, fp32 reduce
+        return fixed
     return prec.grad_comm, prec.param_comm
 
 
 def tp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
-    cfg, rank = plan.cfg, plan.ranks[stage]
+    cfg, rank, eng = plan.cfg, plan.ranks[stage], engine(plan.cfg)
     m, prec, t = cfg.model_config, precision(cfg.dtype, mixed_state), cfg.tp
     if t == 1:
         return []
     layers, first, last = rank.layers, rank.first, rank.last
     x, mb = cfg.micro_batch * cfg.seq * m.hidden, cfg.micro_batches
-    # Full recomputation (native: torch.utils.checkpoint per block) re-runs each block's forward in
+    # Full recomputation (torch.utils.checkpoint per block over the native layers) re-runs each block's forward in
     # backward, collectives included, up to the last saved tensor: the attention region's exit and
     # both region entries again, not the MLP's exit (checkpoint stops once everything is recomputed).
-    again = layers * mb if cfg.recompute == "full" and cfg.backend == "native" else 0
+    again = layers * mb if cfg.recompute == "full" and eng.recompute_reruns_tp else 0
     enter, leave, bwd = 2 * layers * mb + 2 * again, 2 * layers * mb + again, 2 * layers * mb
-    if cfg.backend == "fsdp":  # DTensor Colwise/Rowwise on the blocks only; embedding and head replicated
+    if not eng.vocab_parallel:  # e.g. DTensor Colwise/Rowwise on the blocks only; embedding and head replicated
         return [Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"),
                 Traffic("tp", "all_reduce", x * prec.comm_bwd, bwd, t, "block input grads (bwd)")]
     out = []
-    if cfg.backend == "deepspeed":
+    if eng.data_parallel == "zero-partitions":
         out += _deepspeed_tp(plan, stage)
     if not cfg.sequence_parallel:
         out.append(Traffic("tp", "all_reduce", x * prec.comm_fwd, leave, t, "block outputs (fwd)"))
@@ -145,7 +134,7 @@ def pp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     mine = plan.ranks[stage].chunks
     fwd = sum(1 for c in mine if c < plan.n_chunks - 1)
     bwd = sum(1 for c in mine if c > 0)
-    if cfg.backend == "deepspeed":
+    if engine(cfg).pipeline == "pipe-engine":
         return _deepspeed_pp(plan, msg, fwd, bwd)
     mb, out = cfg.micro_batches, []
     if fwd:
@@ -162,11 +151,12 @@ def dp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     if cfg.dp == 1:
         return []
     grad_b, param_b = _bytes_per_param(cfg, mixed_state)
-    if cfg.backend == "native":
+    layout = engine(cfg).data_parallel
+    if layout == "flat-buckets":
         return _native_dp(plan, stage)
-    if cfg.backend == "fsdp":
+    if layout == "dim0-shards":
         return _fsdp_dp(plan, stage, grad_b, param_b)
-    if cfg.backend == "deepspeed":
+    if layout == "zero-partitions":
         return _deepspeed_dp(plan, stage, grad_b, param_b)
     n = plan.ranks[stage].params
     grads, params = n * grad_b, n * param_b
@@ -354,7 +344,7 @@ def _fsdp_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
     to a multiple of the shard count. Micro-batches before the last skip the gradient sync, so the
     reduce-scatter (and HSDP's all-reduce) runs once per step; the all-gathers: `_fsdp_gathers`."""
     cfg = plan.cfg
-    mode, mb = cfg.fsdp or "full", cfg.micro_batches
+    mode, mb = cfg.fsdp or CAPABILITIES[cfg.backend].fsdp_default, cfg.micro_batches
     if mode == "none":  # FSDP2 replicate: one gradient all-reduce per group
         groups = plan.fsdp_groups(stage, 1)
         total = sum(n for _, n in groups) * grad_b

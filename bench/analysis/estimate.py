@@ -26,6 +26,7 @@ from bench.analysis.hardware import Hardware, get_hardware
 from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memory
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import step_terms
+from bench.capabilities import engine
 from bench.config import BatchShape
 from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
@@ -64,9 +65,22 @@ class Shape(BatchShape):
 
 
 def default_mixed_state(cfg) -> str:
-    """How the backend keeps mixed-precision state: DeepSpeed as the ZeRO paper (2+2+12), the
-    torch.autocast-based engines of this suite in fp32 (4+4+8)."""
-    return "zero" if cfg.backend == "deepspeed" else "autocast"
+    """How the backend keeps mixed-precision state (its Engine record): DeepSpeed as the ZeRO paper
+    (2+2+12), the torch.autocast-based engines of this suite in fp32 (4+4+8)."""
+    return engine(cfg).mixed_state
+
+
+DEFAULT_ACTIVATIONS = "suite"
+"""The activation model a prediction uses unless told: this suite's GPT, as its engines run it."""
+
+
+def conventions(cfg, mixed_state: str | None = None, activations: str | None = None) -> tuple[str, str, str]:
+    """(state convention, activation model, time-model implementation) of a prediction of `cfg`: the
+    given ones, else the backend's own state and this suite's activations. The one default path of
+    `bench estimate`, `bench plan` and the rows' `pred_*` columns (so a plan's figures for a config
+    are its dry run's and its row's)."""
+    acts = activations or DEFAULT_ACTIVATIONS
+    return mixed_state or default_mixed_state(cfg), acts, "suite" if acts == "suite" else "table2"
 
 
 def extreme_stages(pp: int) -> list[int]:
@@ -75,8 +89,10 @@ def extreme_stages(pp: int) -> list[int]:
     return sorted({0, pp - 1})
 
 
-def memory(plan: StagePlan, mixed_state: str = "zero", activations: str = "table2") -> dict:
-    """Per-rank bytes of the stage with the largest total, plus every planned stage's figures."""
+def memory(plan: StagePlan, mixed_state: str | None = None, activations: str | None = None) -> dict:
+    """Per-rank bytes of the stage with the largest total, plus every planned stage's figures
+    (conventions not given: `conventions`' defaults)."""
+    mixed_state, activations, _ = conventions(plan.cfg, mixed_state, activations)
     act = ActivationModel(activations)
     per = {s: stage_memory(plan, s, mixed_state, act) for s in plan.ranks}
     worst = max(per, key=lambda s: per[s]["total_bytes"])
@@ -124,10 +140,13 @@ def link(cfg, hw: Hardware, dim: str, gpus_per_node: int) -> tuple[float, float,
     return hw.intra_node_bw * hw.intra_node_efficiency, hw.intra_node_latency_s, "nvlink"
 
 
-def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str = "zero", impl: str = "table2") -> dict:
+def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str | None = None, impl: str | None = None) -> dict:
     """Step time over the planned stages, term by term (bench.analysis.time_model), with the keys this
-    function always had (compute_s, bubble_s, exposed_comm_s, comm_{tp,pp,dp}_s, ...)."""
+    function always had (compute_s, bubble_s, exposed_comm_s, comm_{tp,pp,dp}_s, ...); conventions not
+    given: `conventions`' defaults."""
     cfg, g = plan.cfg, plan.gpus_per_node or hw.gpus_per_node
+    mixed_state, _, default_impl = conventions(cfg, mixed_state)
+    impl = impl or default_impl
     links = {d: link(cfg, hw, d, g) for d in ("tp", "pp", "dp")}
     t = step_terms(plan, hw, {d: links[d][:2] for d in links}, impl, mixed_state)
     step = t["step_time_s"]
@@ -141,9 +160,10 @@ def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str = "zero", impl:
 
 
 def estimate(cfg, hardware: str | Hardware | None = None, gpus_per_node: int | None = None,
-             mixed_state: str | None = None, activations: str = "table2") -> dict:
-    """Everything the cost model predicts for one config (keys: see the module docstrings)."""
-    state = mixed_state or "zero"
+             mixed_state: str | None = None, activations: str | None = None) -> dict:
+    """Everything the cost model predicts for one config (keys: see the module docstrings); the
+    conventions not given are `conventions`' defaults, as the row's."""
+    state, activations, impl = conventions(cfg, mixed_state, activations)
     hw = get_hardware(hardware) if hardware is not None else None
     plan = stage_plan(cfg, gpus_per_node or (hw.gpus_per_node if hw else None))
     out = {"mixed_state": state, "activations": activations, **memory(plan, state, activations),
@@ -151,30 +171,32 @@ def estimate(cfg, hardware: str | Hardware | None = None, gpus_per_node: int | N
            "flops_per_step": model_flops_per_step(cfg), "hardware_flops_per_step": hardware_flops_per_step(cfg),
            "tokens_per_step": cfg.tokens_per_step, "world_size": cfg.world}
     if hw is not None:
-        out.update(predict_time(plan, hw, state, "suite" if activations == "suite" else "table2"))
+        out.update(predict_time(plan, hw, state, impl))
         out["memory_limit_bytes"] = hw.memory_bytes
         out["fits"] = out["total_bytes"] <= hw.memory_bytes
     return out
 
 
 def estimate_params(params: float, dp: int = 1, zero: int = 0, dtype: str = "bf16-mixed",
-                    mixed_state: str = "zero") -> dict:
+                    mixed_state: str | None = "zero") -> dict:
     """Model-state-only estimate for a bare parameter count (`bench estimate --params N`)."""
     return {"params": params, "dp": dp, "zero": zero, "dtype": dtype,
-            **model_state_bytes(params, dp, zero, dtype, mixed_state)}
+            **model_state_bytes(params, dp, zero, dtype, mixed_state or "zero")}
 
 
 PRED_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "total_bytes",
              "bubble_fraction", "flops_per_step")
 
 
-def predict_row(cfg, device_name: str | None = None, hardware: Hardware | None = None) -> dict:
-    """`pred_*` columns for a measured row: the backend's own precision convention and this
-    suite's activations (no dropout, fused attention), and the step time on the profile of the device
-    it ran on (`row_hardware`), or on `hardware` (a sweep pruning before anything ran). Never raises: a
-    row is worth more than its prediction (a failure is recorded in `pred_error`)."""
+def predict_row(cfg, device_name: str | None = None, hardware: Hardware | None = None,
+                gpus_per_node: int | None = None) -> dict:
+    """`pred_*` columns for a measured row: the default conventions (`conventions`: the backend's own
+    state, this suite's activations), and the step time on the profile of the device it ran on
+    (`row_hardware`), or on `hardware` (a sweep pruning before anything ran). `gpus_per_node`: the ranks
+    a node holds when the runs span nodes (None: one machine holds them all). Never raises: a row is
+    worth more than its prediction (a failure is recorded in `pred_error`)."""
     try:
-        return _predict_row(cfg, device_name, hardware)
+        return _predict_row(cfg, device_name, hardware, gpus_per_node)
     except Exception as e:  # noqa: BLE001
         return {"pred_error": f"{type(e).__name__}: {e}"}
 
@@ -193,9 +215,9 @@ TIME_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "overhead_s", "c
              "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s", "optimizer_s")
 
 
-def _predict_row(cfg, device_name: str | None = None, hardware: Hardware | None = None) -> dict:
-    state = default_mixed_state(cfg)
-    est = estimate(cfg, mixed_state=state, activations="suite")
+def _predict_row(cfg, device_name: str | None = None, hardware: Hardware | None = None,
+                 gpus_per_node: int | None = None) -> dict:
+    est = estimate(cfg, gpus_per_node=gpus_per_node)  # the default conventions, as `bench estimate`'s
     out = {f"pred_{k}": est[k] for k in PRED_KEYS}
     for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "peak_mem_bytes"):
         out[f"pred_{k}"] = max(s[k] for s in est["stages"])  # max over ranks per column, as the measured row
@@ -203,7 +225,7 @@ def _predict_row(cfg, device_name: str | None = None, hardware: Hardware | None 
         out[f"pred_{name}"] = est[name]
     hw = hardware or row_hardware(device_name)
     if hw is not None:
-        t = predict_time(stage_plan(cfg), hw, state, "suite")
+        t = predict_time(stage_plan(cfg, gpus_per_node), hw)
         t["comm_exposed_s"] = t["exposed_comm_s"]
         out.update({f"pred_{k}": t[k] for k in TIME_KEYS})
         out["pred_hardware"] = hw.name + (" (calibrated)" if hw.calibration else " (datasheet)")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from bench.config import check_number
+from bench.conventions import DEVICE_PEAKS, dtype_key
 from bench.typed_yaml import FileError, file_error, known_keys, load_yaml
 
 
@@ -135,21 +136,21 @@ SUSTAINED = 755 / 834
 RING_EFFICIENCY = {"a100-80gb": 234.89 / 300, "h100-sxm": 367.61 / 450, "h200": 367.61 / 450}
 NETWORK_EFFICIENCY = 0.8
 PROFILES: dict[str, Hardware] = {h.name: h for h in (
-    # NVIDIA A100 datasheet (SXM 80GB): 312 TFLOP/s dense bf16/fp16, 19.5 fp32, HBM2e 2,039 GB/s;
+    # NVIDIA A100 datasheet (SXM 80GB): peaks in bench.conventions.DEVICE_PEAKS, HBM2e 2,039 GB/s;
     # NVLink 3: 600 GB/s bidirectional = 300 GB/s per direction; HDR InfiniBand 200 Gb/s per GPU.
-    Hardware("a100-80gb", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80 * GiB, 300e9, 25e9,
-             match=("A100",), memory_bw=2039e9, matmul_efficiency=MAMF["a100-80gb"],
+    Hardware("a100-80gb", dict(DEVICE_PEAKS["a100-80gb"].flops), 80 * GiB, 300e9, 25e9,
+             match=DEVICE_PEAKS["a100-80gb"].match, memory_bw=2039e9, matmul_efficiency=MAMF["a100-80gb"],
              sustained_clock=SUSTAINED, intra_node_efficiency=RING_EFFICIENCY["a100-80gb"],
              inter_node_efficiency=NETWORK_EFFICIENCY),
-    # NVIDIA H100 datasheet (SXM5): 989 TFLOP/s dense bf16, 67 fp32, HBM3 3.35 TB/s;
+    # NVIDIA H100 datasheet (SXM5): peaks in DEVICE_PEAKS, HBM3 3.35 TB/s;
     # NVLink 4: 900 GB/s bidirectional; NDR InfiniBand 400 Gb/s per GPU.
-    Hardware("h100-sxm", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 80 * GiB, 450e9, 50e9,
-             match=("H100",), memory_bw=3.35e12, matmul_efficiency=MAMF["h100-sxm"],
+    Hardware("h100-sxm", dict(DEVICE_PEAKS["h100-sxm"].flops), 80 * GiB, 450e9, 50e9,
+             match=DEVICE_PEAKS["h100-sxm"].match, memory_bw=3.35e12, matmul_efficiency=MAMF["h100-sxm"],
              sustained_clock=SUSTAINED, intra_node_efficiency=RING_EFFICIENCY["h100-sxm"],
              inter_node_efficiency=NETWORK_EFFICIENCY),
     # NVIDIA H200 datasheet (SXM): H100's compute, 141 GB HBM3e at 4.8 TB/s.
-    Hardware("h200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, 141 * GiB, 450e9, 50e9,
-             match=("H200",), memory_bw=4.8e12, matmul_efficiency=MAMF["h200"],
+    Hardware("h200", dict(DEVICE_PEAKS["h200"].flops), 141 * GiB, 450e9, 50e9,
+             match=DEVICE_PEAKS["h200"].match, memory_bw=4.8e12, matmul_efficiency=MAMF["h200"],
              sustained_clock=SUSTAINED, intra_node_efficiency=RING_EFFICIENCY["h200"],
              inter_node_efficiency=NETWORK_EFFICIENCY),
     # Measured on this machine (2 cores, 24 GiB, torch 2.13 CPU, one thread per rank) by the script
@@ -170,11 +171,6 @@ def profile_for_device(device_name: str) -> Hardware | None:
         if any(m in device_name for m in hw.match):
             return hw
     return None
-
-
-def dtype_key(dtype: str) -> str:
-    """RunConfig dtype → the peak-FLOP/s key: mixed precision runs its matmuls in the low precision."""
-    return {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(dtype, "fp32")
 
 
 # --- user profiles (YAML) ------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from bench.analysis.params import (
     zero3_prefetch_gathers,
     zero12_padded,
 )
+from bench.capabilities import CAPABILITIES, FSDP_SHARDS, ZERO_SHARDS, engine
 from models.config import GPTConfig, block_matmul_weights, block_params, embedding_params
 
 MIXED_STATES = ("zero", "autocast", "megatron")
@@ -126,15 +127,13 @@ def rank_params(m: GPTConfig, tp: int, pp: int, layers: int, first: bool, last: 
 # --- sharding ------------------------------------------------------------------------------------
 def sharding(cfg, gpus_per_node: int | None = None) -> tuple[str, int]:
     """(what is sharded over dp: none | optimizer | grads | params, over how many ranks)."""
-    n = cfg.dp
-    if cfg.backend == "fsdp":
-        mode = cfg.fsdp or "full"
-        if mode == "none":
+    if engine(cfg).shards_by == "fsdp-mode":
+        mode = cfg.fsdp or CAPABILITIES[cfg.backend].fsdp_default
+        what = FSDP_SHARDS[mode]
+        if what == "none":
             return "none", 1
-        if mode == "hybrid":
-            return "params", hybrid_shard(cfg, gpus_per_node)
-        return "params", n  # grad-op too: FSDP2 stores shards, gathers them for forward + backward
-    return {0: "none", 1: "optimizer", 2: "grads", 3: "params"}[cfg.zero], (n if cfg.zero else 1)
+        return what, hybrid_shard(cfg, gpus_per_node) if mode == "hybrid" else cfg.dp
+    return ZERO_SHARDS[cfg.zero], (cfg.dp if cfg.zero else 1)
 
 
 def hybrid_shard(cfg, gpus_per_node: int | None = None) -> int:
@@ -232,14 +231,14 @@ def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationMod
     `transient_bytes` is the step peak less the held activations: negative when the backend has freed
     more state before the peak (gradients set to None) than it holds beside the activations."""
     cfg, rank = plan.cfg, plan.ranks[stage]
-    m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
+    m, prec, eng = cfg.model_config, precision(cfg.dtype, mixed_state), engine(cfg)
     per_layer = layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
                                        cfg.recompute, prec.act, act)
-    # FSDP2 computes in its gathered bf16 parameters (MixedPrecisionPolicy), not under torch.autocast
-    autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32" and cfg.backend != "fsdp"
-    # the bf16 weight copies: per micro-batch in flight, but the native engine holds one for the step
+    # an engine computing in gathered bf16 parameters (FSDP2's MixedPrecisionPolicy) saves no autocast copies
+    autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32" and eng.autocast_copies
+    # the bf16 weight copies: per micro-batch in flight, unless the engine holds one for the step
     # (recomputation reuses it too)
-    per_step = autocast and cfg.backend == "native"
+    per_step = autocast and eng.casts_weights_once
     if autocast and cfg.recompute != "full":
         per_layer += _autocast_norm_inputs(m, cfg.micro_batch * cfg.seq, cfg.tp, cfg.sequence_parallel)
         per_layer += 0.0 if per_step else _autocast_weight_copies(m, cfg.tp)
@@ -272,21 +271,21 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
     - DeepSpeed's gradient reduction after backward (ZeRO-0 at dp > 1, ZeRO-1/2): the gradients and
       their copy in the reduction bucket (activations freed); ZeRO-3's reduce-scatter of them likewise."""
     cfg, rank, m = plan.cfg, plan.ranks[stage], plan.cfg.model_config
-    tokens = cfg.micro_batch * cfg.seq
+    tokens, zero_partitions = cfg.micro_batch * cfg.seq, engine(cfg).data_parallel == "zero-partitions"
     at_loss, in_blocks = _gathered(plan, stage, prec)
     work = layer_backward_bytes(m, tokens, cfg.tp, prec.act)
     if cfg.recompute == "full":
         work += layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, "none",
                                        prec.act, act)
     made = head_params_local(m, cfg.tp, cfg.pp) * prec.grad if rank.last and _grads_made_by_backward(cfg) else 0
-    bucket = _zero12_bucket_bytes(plan, prec) if cfg.backend == "deepspeed" and cfg.zero in (1, 2) else 0.0
+    bucket = _zero12_bucket_bytes(plan, prec) if zero_partitions and cfg.zero in (1, 2) else 0.0
     moments = [held - head_held + work + made + in_blocks + bucket]  # the head's backward freed its activations
     if rank.last:
         moments.append(held + loss_backward_bytes(m, tokens, cfg.tp) + at_loss)
-    if cfg.backend == "deepspeed" and cfg.zero == 3 and cfg.dp > 1:
+    if zero_partitions and cfg.zero == 3 and cfg.dp > 1:
         moments += [held - head_held + _zero3_gather_bytes(plan, stage, prec),
                     _zero3_reduction_bytes(plan, stage, prec)]
-    if cfg.backend == "deepspeed" and (cfg.zero in (1, 2) or (cfg.zero == 0 and cfg.dp > 1)):
+    if zero_partitions and (cfg.zero in (1, 2) or (cfg.zero == 0 and cfg.dp > 1)):
         moments.append(_zero12_reduction_bytes(plan, stage, prec))
     return max(0.0, max(moments) - _released(plan, state))
 
@@ -294,7 +293,7 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
 def _grads_made_by_backward(cfg) -> bool:
     """Whether backward allocates the gradients (the native engine accumulates into its persistent
     flat buckets instead)."""
-    return cfg.backend != "native"
+    return engine(cfg).backward_makes_grads
 
 
 def _released(plan, state: dict) -> float:
@@ -303,8 +302,8 @@ def _released(plan, state: dict) -> float:
     makes again only after its peak (with accumulation the later micro-batches' peaks hold them);
     DeepSpeed makes its gradient partition only at the optimizer step (the previous step's is freed
     when the step starts: `bench.backends.deepspeed`)."""
-    cfg = plan.cfg
-    if cfg.backend == "deepspeed" or (cfg.backend in ("ddp", "fsdp") and cfg.micro_batches == 1):
+    freed = engine(plan.cfg).grads_freed
+    if freed == "step_start" or (freed == "zero_grad" and plan.cfg.micro_batches == 1):
         return state["grads_bytes"]
     return 0.0
 
@@ -316,11 +315,11 @@ def _gathered(plan, stage: int, prec: Precision) -> tuple[float, float]:
     gradients unsharded; each block in backward is gathered with the next one prefetched, and its
     unsharded gradients are reduce-scattered after it (grad-op: every block stays gathered).
     ZeRO-3: the gathered parameters stay resident until backward has used them (`_zero3_resident`)."""
-    cfg = plan.cfg
-    if cfg.backend == "deepspeed" and cfg.zero == 3 and cfg.dp > 1:
+    cfg, layout = plan.cfg, engine(plan.cfg).data_parallel
+    if layout == "zero-partitions" and cfg.zero == 3 and cfg.dp > 1:
         resident = _zero3_resident(plan, stage) * prec.param
         return resident, resident
-    if cfg.backend != "fsdp" or plan.sharding != "params":
+    if layout != "dim0-shards" or plan.sharding != "params":
         return 0.0, 0.0
     gather_b = 2 if cfg.dtype != "fp32" else prec.param  # FSDP2 gathers in the mixed-precision dtype
     groups = plan.fsdp_groups(stage, 1)
@@ -385,15 +384,15 @@ def model_state(plan, stage: int, prec: Precision) -> dict:
     `Trainer.state_tensors` is measured with: every tensor the rank keeps from one step to the next
     for training, each storage counted once, in the first of params, grads, optimizer that holds it
     (so padding inside a flat buffer counts, and an optimizer-owned copy counts as optimizer)."""
-    cfg = plan.cfg
-    if cfg.backend == "fsdp":  # FSDP2 pads dim 0 of every parameter to a multiple of the shard
+    cfg, layout = plan.cfg, engine(plan.cfg).data_parallel
+    if layout == "dim0-shards":  # FSDP2 pads dim 0 of every parameter to a multiple of the shard
         shard = plan.shard if plan.sharding != "none" else 1
         n = sum(n for _, n in plan.fsdp_groups(stage, shard)) / shard
         return _state(n, n, n, prec)
-    if cfg.backend == "deepspeed":
+    if layout == "zero-partitions":
         return _deepspeed_state(plan, stage, prec)
     n = plan.ranks[stage].params
-    if cfg.backend == "native" and cfg.zero:
+    if layout == "flat-buckets" and cfg.zero:
         # flat fp32 buckets padded to a multiple of dp: the parameters are views of one, their
         # gradients of another; the optimizer steps on this rank's 1/dp of the parameter buffer in
         # place (no copy: the engine keeps fp32 weights under autocast too), so it owns only Adam's m, v

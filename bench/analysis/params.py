@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections import deque
 from functools import lru_cache
 
+from bench import conventions
+from bench.capabilities import engine
+from bench.conventions import grad_bytes
 from bench.schedule import partition, rank_chunks
 from models.config import GPTConfig, ParamSpec, block_table, embed_table, final_table, head_spec
 
@@ -146,30 +149,16 @@ def deepspeed_settings(cfg) -> dict:
     """The knobs of the DeepSpeed config the run gets (generated, then `ds_set`) that shape traffic
     and state: persistence threshold, bucket sizes (elements), pipeline partitioning. Defaults are
     DeepSpeed 0.19's. Cached on what it reads (the planner asks once per candidate and stage)."""
-    from bench.backends.deepspeed_config import grad_bytes  # pure: yaml only
     return _deepspeed_settings(cfg.bucket_mb, grad_bytes(cfg), getattr(cfg, "ds_set", ()))  # the planner's shapes have none
 
 
-@lru_cache(maxsize=4096)
-def _deepspeed_settings(bucket_mb: float, grad_bytes: int, ds_set: tuple) -> dict:
-    from bench.backends.deepspeed_config import apply_ds_set  # pure: yaml only
-    bucket = int(bucket_mb * 2**20 / grad_bytes)  # elements, as deepspeed_config.generate sets both
-    zero = {"stage3_prefetch_bucket_size": bucket, "reduce_bucket_size": bucket}
-    config = apply_ds_set({"zero_optimization": zero}, ds_set)
-    zero, pipe = config.get("zero_optimization", {}), config.get("pipeline", {})
-    return {"stage3_param_persistence_threshold": zero.get("stage3_param_persistence_threshold", 100_000),
-            "stage3_prefetch_bucket_size": zero.get("stage3_prefetch_bucket_size", 50_000_000),
-            "reduce_bucket_size": zero.get("reduce_bucket_size", 500_000_000),
-            "stage3_max_live_parameters": zero.get("stage3_max_live_parameters", 1_000_000_000),
-            "stage3_max_reuse_distance": zero.get("stage3_max_reuse_distance", 1_000_000_000),
-            "pipe_partitioned": pipe.get("pipe_partitioned", True),
-            "grad_partitioned": pipe.get("grad_partitioned", True)}
+_deepspeed_settings = lru_cache(maxsize=4096)(conventions.deepspeed_settings)
 
 
 def deepspeed_bf16_optimizer(cfg) -> bool:
     """DeepSpeed's pipeline engine trains bf16 at ZeRO-0 through its BF16_Optimizer, which partitions
     the fp32 master over dp like ZeRO-1 (engine._do_optimizer_sanity_check)."""
-    return cfg.backend == "deepspeed" and cfg.zero == 0 and cfg.dtype == "bf16-mixed" and cfg.pp > 1
+    return engine(cfg).bf16_pipeline_optimizer and cfg.zero == 0 and cfg.dtype == "bf16-mixed" and cfg.pp > 1
 
 
 def deepspeed_zero3_split(plan, stage: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -112,7 +112,7 @@ def _reason_class(reason: str) -> str:
 
 
 def _sharding_what(backend: str, zero: int, fsdp: str | None) -> str:
-    if backend == "fsdp":
+    if fsdp is not None:  # only an engine sharded by FSDP modes has one
         return {"grad-op": "grads", "full": "params", "hybrid": "hybrid"}[fsdp]
     return ("none", "optimizer", "grads", "params")[zero]
 
@@ -260,7 +260,7 @@ def _row(shape: Shape, mem: dict, time: dict) -> dict:
 def describe(row: dict) -> str:
     """One line naming a planned config in the CLI's vocabulary."""
     parts = [f"tp={row['tp']} pp={row['pp']} dp={row['dp']}", f"--backend {row['backend']}"]
-    if row["backend"] == "fsdp":
+    if row["fsdp"] is not None:  # an engine sharded by FSDP modes
         parts.append(f"--fsdp {row['fsdp']}")
     elif row["zero"]:
         parts.append(f"--zero {row['zero']}")

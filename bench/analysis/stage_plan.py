@@ -15,6 +15,7 @@ from functools import cached_property, lru_cache, partial
 
 from bench.analysis.memory import rank_params, sharding
 from bench.analysis.params import fsdp_group_sizes, native_buckets, native_padded_buckets, stage_param_sizes
+from bench.capabilities import engine
 from bench.schedule import Step, partition, rank_chunks, rank_peak, schedule_step
 from models.config import GPTConfig
 
@@ -90,12 +91,13 @@ class StagePlan:
 
 
 def executed_schedule(cfg) -> tuple[str, bool]:
-    """(schedule, fill_when_m_is_p) of the action lists the backend runs. Without a pipeline every
-    backend but the native one accumulates gradients one micro-batch at a time (1F1B at p = 1); the
-    native engine runs its schedule's order even then. FSDP's pipeline is torch.distributed.pipelining."""
-    if cfg.pp == 1 and cfg.backend != "native":
+    """(schedule, fill_when_m_is_p) of the action lists the backend runs (its Engine record). Without a
+    pipeline an engine accumulates gradients one micro-batch at a time (1F1B at p = 1) unless it runs
+    its schedule's order even then (native); torch.distributed.pipelining does not fill at m = p."""
+    eng = engine(cfg)
+    if cfg.pp == 1 and not eng.runs_schedule_without_pipeline:
         return "1f1b", True
-    return cfg.schedule, cfg.backend != "fsdp"
+    return cfg.schedule, eng.fills_when_m_is_p
 
 
 @lru_cache(maxsize=65536)

@@ -44,10 +44,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
-from bench.analysis.comm import Traffic, stage_traffic, wire_bytes
-from bench.analysis.hardware import Hardware, dtype_key
+from bench.analysis.comm import Traffic, stage_traffic
+from bench.analysis.hardware import Hardware
 from bench.analysis.memory import precision
-from bench.backends.deepspeed_config import grad_bytes
+from bench.capabilities import engine
+from bench.conventions import dtype_key, grad_bytes, wire_bytes
 from models.config import block_matmul_weights
 
 TERMS = ("compute_s", "overhead_s", "comm_exposed_tp_s", "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s",
@@ -160,8 +161,9 @@ def weight_cast_bytes(cfg) -> float:
 
 
 def casts_weights_once(cfg, impl: str) -> bool:
-    """The native engine keeps autocast's weight copies for the step; the others cast every forward."""
-    return impl == "suite" and cfg.backend == "native"
+    """Whether the engine keeps autocast's weight copies for the step (the native one); the others cast
+    every forward."""
+    return impl == "suite" and engine(cfg).casts_weights_once
 
 
 LOSS_BYTES_PER_LOGIT = 3 * 4
@@ -341,23 +343,14 @@ def step_upkeep(cfg, rank, impl: str, traffic: tuple = ()) -> Work:
     accumulation into the weight-gradient GEMM."""
     if impl != "suite":
         return Work()
-    m, n = cfg.micro_batches, rank.params
-    if cfg.backend == "native":
+    m, n, eng = cfg.micro_batches, rank.params, engine(cfg)
+    if not eng.backward_makes_grads:  # accumulated into persistent buckets: the first copied in
         casts = rank.layers * weight_cast_bytes(cfg) if casts_weights_once(cfg, impl) else 0.0
         return Work((), (12 * m - 4) * n + casts)
-    partitioned = cfg.backend == "deepspeed" and cfg.zero >= 2  # ZeRO-2/3 accumulate into the rank's partition
+    # from that ZeRO stage on (DeepSpeed: 2) gradients accumulate into the rank's partition
+    partitioned = eng.partition_accumulation_from is not None and cfg.zero >= eng.partition_accumulation_from
     accumulate = (12 / cfg.dp if partitioned else 12) * (m - 1)
     return Work((), accumulate * n + backend_copy_bytes(cfg, n, traffic))
-
-
-# DeepSpeed's own copies, bytes per parameter of the rank at fp32 gradients: (a, b, c) = a + b/n per
-# gradient reduction round and c/n per step over n data-parallel ranks, counted under TorchDispatchMode
-# at dp 2 and 4 (tests/test_time_model.py). A round flattens the gradients into the reduce bucket and
-# averages them, and at ZeRO ≥ 1 copies the rank's slice out to its fp32 partition; the step's work is
-# on the partition: the gradient norm's read, the updated partition copied into the gathered
-# parameters. ZeRO-0 copies the averaged bucket back to the gradients. ZeRO-3 also copies around each
-# parameter all-gather, as FSDP2 does (`shard_copy_factor`).
-DEEPSPEED_COPY_BYTES = {0: (24, 0, 0), 1: (26, 12, 36), 2: (26, 12, 36), 3: (24, 8, 52)}
 
 
 def shard_copy_factor(n: int) -> float:
@@ -371,14 +364,16 @@ def backend_copy_bytes(cfg, params: float, traffic: tuple) -> float:
     """Bytes the backend reads and writes per step copying around its data-parallel collectives (a
     GPU's memory bandwidth, a CPU core's time): FSDP2 around each parameter all-gather and gradient
     reduce-scatter (`shard_copy_factor`); DDP, and FSDP2's replicate, divide each gradient into its
-    bucket and copy the reduced bucket back (4 × the bucket); DeepSpeed: DEEPSPEED_COPY_BYTES."""
+    bucket and copy the reduced bucket back (4 × the bucket); an engine that declares its copies
+    (`Engine.copy_bytes`, DeepSpeed's: bench.capabilities.DEEPSPEED_COPY_BYTES) by those."""
     dp = [tr for tr in traffic if tr.dim == "dp"]
     gathers = sum(shard_copy_factor(tr.group) * tr.total for tr in dp
                   if tr.kind == "all_gather" and tr.per == "micro-batch")
-    if cfg.backend == "deepspeed":
+    declared = engine(cfg).copy_bytes
+    if declared:
         if cfg.dp == 1 and not cfg.zero:
             return 0.0
-        a, b, c = DEEPSPEED_COPY_BYTES[cfg.zero]
+        a, b, c = declared[cfg.zero]
         rounds = cfg.micro_batches if cfg.zero >= 2 else 1
         per_param = (a + b / cfg.dp) * rounds * grad_bytes(cfg) / 4 + c / cfg.dp
         return per_param * params + (gathers if cfg.zero == 3 else 0.0)
@@ -435,8 +430,8 @@ def dp_exposed(cfg, st: StageTime, hw: Hardware, links: dict) -> float:
     total = collectives_time(step, hw, links, cfg.world)
     if not total:
         return exposed
-    if cfg.backend == "deepspeed" or not can_overlap(cfg, hw):  # DeepSpeed reduces at the accumulation
-        return exposed + total  # boundary, after backward
+    if engine(cfg).reduces_after_backward or not can_overlap(cfg, hw):  # at the accumulation boundary
+        return exposed + total
     last = max(collective_time(tr, hw, links, cfg.world) for tr in step)  # the last bucket waits for the last layer
     return exposed + max(last, total - st.last_backward)
 
@@ -444,10 +439,10 @@ def dp_exposed(cfg, st: StageTime, hw: Hardware, links: dict) -> float:
 def optimizer_tensors(plan, stage: int) -> int:
     """Tensors the rank's optimizer steps: DeepSpeed's ZeRO keeps one flat partition, the native
     engine's ZeRO-1 one shard per gradient bucket, the others one per parameter (FSDP: its shard)."""
-    cfg = plan.cfg
-    if cfg.backend == "deepspeed" and cfg.zero:
+    cfg, steps = plan.cfg, engine(plan.cfg).optimizer_steps
+    if steps == "partition" and cfg.zero:
         return 1
-    if cfg.backend == "native" and cfg.zero and cfg.dp > 1:
+    if steps == "bucket-shards" and cfg.zero and cfg.dp > 1:
         buckets, sp = plan.buckets(stage)
         return len(buckets) + bool(sp)
     return len(plan.param_sizes(stage))

@@ -9,13 +9,14 @@ from bench.cli.options import (ENGINE_FIELDS, FRACTION, LAYOUT_FIELDS, MODEL_FIE
 
 COMMANDS: list[click.Command] = []
 
-_MIXED = click.option("--mixed-state", type=click.Choice(["zero", "autocast", "megatron"]), default="zero", show_default=True,
+_MIXED = click.option("--mixed-state", type=click.Choice(["zero", "autocast", "megatron"]), default=None,
                       help="mixed-precision model state: zero = 2+2+12 bytes/param (ZeRO paper, Megatron); "
                            "autocast = 4+4+8 (fp32 weights, as this suite's torch engines); "
-                           "megatron = 2+4+12 (fp32 main gradients)")
-_ACTS = click.option("--activations", type=click.Choice(["table2", "suite"]), default="table2", show_default=True,
+                           "megatron = 2+4+12 (fp32 main gradients) [default: the backend's own, as its row's pred_*]")
+_ACTS = click.option("--activations", type=click.Choice(["table2", "suite"]), default=None,
                      help="table2 = Korthikanti et al. 2022 (dropout, attention scores saved); "
-                          "suite = this suite's GPT (no dropout, fused attention)")
+                          "suite = this suite's GPT (no dropout, fused attention) "
+                          "[default: suite, as the rows' pred_*]")
 
 
 def _given(options: dict, name: str, default):

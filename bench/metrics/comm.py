@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from bench.analysis.comm import wire_bytes  # the one ring rule, shared with the cost model
+from bench.conventions import wire_bytes  # the one ring rule, shared with the cost model
 from bench.results import comm_column, comm_op_column
 
 # c10d op → (kind, index of the tensor argument that carries the payload)

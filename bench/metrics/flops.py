@@ -6,7 +6,7 @@ import time
 import torch
 
 from bench import device as bench_device
-from bench.analysis.hardware import dtype_key, profile_for_device
+from bench.conventions import device_peak, dtype_key
 
 
 def cpu_peak_flops(n: int = 256, seconds: float = 0.3) -> float:
@@ -24,8 +24,8 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """(peak FLOP/s per device, where it came from)."""
     if bench_device.for_device(device).is_accelerator:
         name = bench_device.device_name(device)
-        hw = profile_for_device(name)
-        if hw:
-            return hw.peak_flops[dtype_key(dtype)], f"table:{hw.name}"
+        peak = device_peak(name)
+        if peak:
+            return peak.flops[dtype_key(dtype)], f"table:{peak.name}"
         return float("nan"), f"unknown device {name}"
     return cpu_peak_flops(), "measured:cpu-matmul-fp32"

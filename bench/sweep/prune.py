@@ -75,7 +75,8 @@ def ranks_per_host(cfg: RunConfig, launch) -> int:
 
 def predict(cfg: RunConfig, hw: Hardware | None, ranks_on_host: int) -> Prediction:
     from bench.analysis.estimate import predict_row
-    row = predict_row(cfg, cfg.device, hw)  # no profile (hw None): a device name no profile matches
+    per_node = ranks_on_host if ranks_on_host < cfg.world else None  # None: one machine, all of them
+    row = predict_row(cfg, cfg.device, hw, per_node)  # no profile (hw None): a device name no profile matches
     if "pred_error" in row:
         return Prediction(None, error=row["pred_error"])
     peak = row["pred_total_bytes"]
