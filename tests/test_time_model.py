@@ -11,6 +11,7 @@ import yaml
 from bench.analysis.estimate import Shape, estimate, predict_row
 from bench.analysis.hardware import get_hardware, load_profiles
 from bench.analysis.time_model import SUITE_OPS, TERMS
+from bench.conventions import dtype_key
 from bench.analysis.validate import PUBLISHED, PublishedError, load_published, validate
 from bench.config import RunConfig
 
@@ -93,7 +94,7 @@ def test_suite_op_counts_are_the_model_s():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Count.n += 1
             return func(*args, **(kwargs or {}))
-    for key, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+    for key, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
         block = Block(get_preset("small"))
         x = torch.randn(2, 16, 256, requires_grad=True)
         Count.n = 0
@@ -104,6 +105,14 @@ def test_suite_op_counts_are_the_model_s():
         with Count():
             y.float().sum().backward()
         assert (fwd, Count.n) == SUITE_OPS[key]
+    assert set(SUITE_OPS) == {dtype_key(d) for d in ("fp32", "bf16-mixed", "fp16-mixed")}  # every precision
+
+
+def test_every_precision_gets_its_row_predictions():
+    """fp16-mixed had no op count: its rows' predictions raised KeyError (a GPU-only path)."""
+    for dtype in ("fp32", "bf16-mixed", "fp16-mixed"):
+        cfg = RunConfig.unchecked(model="tiny", dp=2, dtype=dtype, device="cuda")
+        assert predict_row(cfg, hardware=get_hardware("h100-sxm"))["pred_step_time_s"] > 0, dtype
 
 
 COPYING = [dict(backend="native"), dict(backend="ddp"), dict(backend="fsdp", fsdp="full"),

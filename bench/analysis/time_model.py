@@ -56,7 +56,8 @@ TERMS = ("compute_s", "overhead_s", "comm_exposed_tp_s", "comm_exposed_pp_s", "c
 """The step's additive terms (step_time_s is their sum)."""
 
 # Aten ops one block of this suite's GPT dispatches (counted under TorchDispatchMode: tests/test_time_model.py).
-SUITE_OPS = {"fp32": (33, 61), "bf16": (39, 69)}  # (forward, backward)
+SUITE_OPS = {"fp32": (33, 61), "bf16": (39, 69), "fp16": (39, 69)}  # (forward, backward): autocast casts to
+# either half type through the same ops
 # Megatron-LM's fused kernels per layer, forward: 2 layernorms, 4 GEMMs + 2 batched GEMMs, fused
 # softmax, dropout, bias-gelu, 2 bias-dropout-adds (backward ≈ twice).
 TABLE2_OPS = (12, 24)
