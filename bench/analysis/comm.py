@@ -48,7 +48,6 @@ from bench.capabilities import CAPABILITIES, engine
 from bench.conventions import wire_bytes
 from bench.results.schema import comm_column, comm_columns, comm_op_column
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast")
 FP32 = 4
 
 

@@ -31,9 +31,6 @@ from bench.config import BatchShape
 from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
 
-MEMORY_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
-               "total_bytes", "peak_mem_bytes")
-
 
 @dataclass(frozen=True)
 class Shape(BatchShape):

@@ -165,9 +165,6 @@ class ActivationModel:
         return self.name == "suite"
 
 
-ACTIVATION_MODELS = ("table2", "suite")
-
-
 @lru_cache(maxsize=65536)
 def layer_activation_bytes(m: GPTConfig, b: int, s: int, tp: int = 1, sp: bool = False,
                            recompute: str = "none", e: int = 2, act: ActivationModel = ActivationModel()) -> float:
