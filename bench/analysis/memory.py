@@ -42,8 +42,10 @@ DeepSpeed's gradient reduction), less the state the backend frees when the step 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from operator import attrgetter
 
 from bench.analysis.params import (
     deepspeed_bf16_optimizer,
@@ -250,7 +252,7 @@ def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationMod
     held_for_step = (_autocast_weight_copies(m, cfg.tp) * rank.layers + (head_copy if rank.head_in_flight else 0.0)
                      if per_step else 0.0)
     activations = per_layer * rank.layers_in_flight + rank.head_in_flight * head + held_for_step
-    state = model_state(plan, stage, prec)
+    state = state_part(model_state, plan, stage, prec)
     peak = step_peak(plan, stage, prec, act, activations, head if rank.head_in_flight else 0.0, state)
     out = {**state, "activation_bytes": activations, "activation_bytes_per_layer": per_layer,
            "transient_bytes": peak - activations}
@@ -273,7 +275,7 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
       their copy in the reduction bucket (activations freed); ZeRO-3's reduce-scatter of them likewise."""
     cfg, rank, m = plan.cfg, plan.ranks[stage], plan.cfg.model_config
     tokens = cfg.micro_batch * cfg.seq
-    at_loss, in_blocks = _gathered(plan, stage, prec)
+    at_loss, in_blocks = state_part(_gathered, plan, stage, prec)
     work = layer_backward_bytes(m, tokens, cfg.tp, prec.act)
     if cfg.recompute == "full":
         work += layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, "none",
@@ -450,3 +452,33 @@ def model_state_bytes(params: float, dp: int = 1, zero: int = 0, dtype: str = "b
            "optimizer_bytes": params * prec.optimizer / div[2]}
     out["total_bytes"] = sum(out.values())
     return out
+
+
+# --- model-state parts, memoised ------------------------------------------------------------------
+STATE_UNREAD = ("micro_batch", "micro_batches", "seq", "schedule", "recompute", "order")
+"""Config fields the model-state parts (`model_state`, `_gathered`) do not read: the batch, sequence,
+schedule and recomputation shape only the activations, and the rank order reaches the state only
+through the plan's shard (FSDP hybrid)."""
+_STATE_MEMO: dict = {}
+
+
+def state_part(part, plan, stage: int, prec: Precision):
+    """`part(plan, stage, prec)`, cached on every config field but STATE_UNREAD, the plan's sharding
+    and the stage: the planner's candidates that differ only in their batch, schedule, recomputation
+    or rank order share one rank's state (tests/test_planner.py checks the key against the uncached
+    parts). The value is shared: callers copy it before they change it."""
+    key = (part, _state_fields(type(plan.cfg))(plan.cfg), plan.sharding, plan.shard, stage, _PRECISION_FIELDS(prec))
+    hit = _STATE_MEMO.get(key)
+    if hit is None:
+        if len(_STATE_MEMO) > 65536:
+            _STATE_MEMO.clear()
+        hit = _STATE_MEMO[key] = part(plan, stage, prec)
+    return hit
+
+
+_PRECISION_FIELDS = attrgetter(*(f.name for f in dataclasses.fields(Precision)))  # a tuple compares faster
+
+
+@lru_cache(maxsize=None)
+def _state_fields(kind: type) -> attrgetter:
+    return attrgetter(*(f.name for f in dataclasses.fields(kind) if f.name not in STATE_UNREAD))

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
-from bench.analysis.stage_plan import stage_plan
+from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import step_time_floor
 from bench.config import ConfigError, RunConfig, check_number, structural_reason
 from models.config import get_preset
@@ -152,16 +152,18 @@ def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_
 
 
 def _valid_shapes(point: Shape, orders: tuple, validate: _Validator, dropped: Counter):
-    """The candidates of one point (sharding × recomputation × rank order) that pass validation;
+    """The distinct candidates of one point (sharding × recomputation × rank order) that pass validation;
     each refused candidate is counted under its reason. Validity does not depend on the rank order,
-    so each answer counts for every order; a Shape is built only for the valid ones."""
+    so each answer counts for every order. Candidates the model predicts identically under two backends
+    (same layout, schedule, micro-batch, recomputation, order and what is sharded) are kept once, native
+    first; the fields that tell them apart all belong to the point, so duplicates are sought within it."""
     reason = validate.structure(point)
     if reason:
         dropped[_reason_class(reason)] += len(SHARDINGS) * len(RECOMPUTE) * len(orders)
         return
-    facts = _support_facts(point)  # Shape(**…) is cheaper than dataclasses.replace
-    fields_ = {f.name: getattr(point, f.name) for f in fields(Shape)}
+    facts, fields_, seen = _support_facts(point), _fields(point), set()
     for backend, zero, fsdp in SHARDINGS:
+        what = _sharding_what(backend, zero, fsdp)
         for recompute in RECOMPUTE:
             options = {"backend": backend, "zero": zero, "fsdp": fsdp, "recompute": recompute}
             reason = validate.support(point, options, facts)
@@ -169,7 +171,47 @@ def _valid_shapes(point: Shape, orders: tuple, validate: _Validator, dropped: Co
                 dropped[_reason_class(reason)] += len(orders)
                 continue
             for order in orders:
-                yield Shape(**{**fields_, **options, "order": order})
+                if (recompute, order, what) in seen:
+                    dropped["duplicate of an equivalent config on another backend"] += 1
+                    continue
+                seen.add((recompute, order, what))
+                yield _candidate(fields_, options, order)
+
+
+def _candidate(point_fields: dict, options: dict, order: str) -> Shape:
+    """The one place candidates are built: a point's fields (`_fields`) with the backend options and the
+    rank order (Shape(**…) is cheaper than dataclasses.replace)."""
+    return Shape(**{**point_fields, **options, "order": order})
+
+
+def _fields(point: Shape) -> dict:
+    return {f.name: getattr(point, f.name) for f in fields(Shape)}
+
+
+class _PointCosts:
+    """The stage plans and memory of one point's candidates, each worked out once for the candidates that
+    differ only in fields it does not read (tests/test_planner.py checks both against the uncached
+    functions): `stage_plan` reads neither the recomputation nor, but for FSDP hybrid's shard groups, the
+    rank order; `memory` reads the rank order only through the plan's sharding."""
+
+    def __init__(self, gpus_per_node: int, mixed_state: str, activations: str):
+        self.gpus_per_node, self.mixed_state, self.activations = gpus_per_node, mixed_state, activations
+        self.plans, self.memories = {}, {}
+
+    def plan(self, s: Shape) -> StagePlan:
+        key = (s.backend, s.zero, s.fsdp, s.order)
+        base = self.plans.get(key)
+        if base is None:
+            base = self.plans[key] = stage_plan(s, self.gpus_per_node, extreme_stages(s.pp))
+            return base
+        return replace(base, cfg=s)
+
+    def memory(self, stages: StagePlan) -> dict:
+        s = stages.cfg
+        key = (s.backend, s.zero, s.fsdp, s.recompute, stages.sharding, stages.shard)
+        if key not in self.memories:
+            self.memories[key] = memory(stages, self.mixed_state, self.activations)
+        return self.memories[key]
 
 
 def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, global_batch: int,
@@ -191,7 +233,7 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
         raise ValueError(reason)
     limit = hw.memory_bytes * memory_fraction
     validate = _Validator(engines, "cpu" if hw.name == "cpu" else "cuda")
-    dropped, seen, fits = Counter(), set(), []
+    dropped, fits = Counter(), []
     considered = valid = 0
     for point, orders, skip in points(model, gpus, global_batch, seq, dtype, gpus_per_node):
         if skip:
@@ -199,17 +241,11 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
             dropped[skip] += 1
             continue
         considered += len(SHARDINGS) * len(RECOMPUTE) * len(orders)
+        costs = _PointCosts(gpus_per_node, mixed_state, activations)
         for shape in _valid_shapes(point, orders, validate, dropped):
-            key = (shape.tp, shape.pp, shape.schedule, shape.virtual_stages, shape.micro_batch,
-                   shape.sequence_parallel, shape.recompute, shape.order,
-                   _sharding_what(shape.backend, shape.zero, shape.fsdp))
-            if key in seen:
-                dropped["duplicate of an equivalent config on another backend"] += 1
-                continue
-            seen.add(key)
             valid += 1
-            stages = stage_plan(shape, gpus_per_node, extreme_stages(shape.pp))
-            mem = memory(stages, mixed_state, activations)
+            stages = costs.plan(shape)
+            mem = costs.memory(stages)
             if mem["total_bytes"] > limit:
                 parts = {k: mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")}
                 dropped[f"out of memory (> {memory_fraction:.0%} of {hw.memory_bytes / 2**30:.0f} GiB; "
@@ -227,25 +263,45 @@ def _rank_key(tokens_per_s: float, mem: dict, i: int) -> tuple:
 
 def _best(fits: list, hw: Hardware, mixed_state: str, top: int) -> list[tuple]:
     """The `top` best of the fitting candidates by `_rank_key`, as (key, plan, memory, time), timing only
-    what can reach them. A bound's key is never worse than its candidate's (`step_time_floor` is never
-    above the step time): candidates are visited best compute bound first, the search stops at the
-    first one worse than the top's last, and a candidate is skipped when its bound with the bubble is."""
-    def bound(i: int, bubble: bool) -> tuple:
+    what can reach them. A bound's key is never worse than its candidate's (`_step_floor` is never above
+    the step time): candidates are visited best bound first, and the search stops at the first whose
+    bound is worse than the top's last (keys are distinct: they end in the candidate's index)."""
+    def bound(i: int) -> tuple:
         plan, mem = fits[i]
-        floor = step_time_floor(plan, hw, bubble=bubble)
+        floor = _step_floor(plan, hw)
         return _rank_key(plan.cfg.tokens_per_step / floor if floor > 0 else float("inf"), mem, i)
 
     best: list[tuple] = []
-    for key, i in sorted((bound(i, False), i) for i in range(len(fits))):
+    for key, i in sorted((bound(i), i) for i in range(len(fits))):
         if len(best) >= top and key > best[top - 1][0]:
             break
-        if len(best) >= top and bound(i, True) > best[top - 1][0]:
-            continue
         plan, mem = fits[i]
         time = predict_time(plan, hw, mixed_state)
         bisect.insort(best, (_rank_key(time["tokens_per_s"], mem, i), plan, mem, time), key=lambda r: r[0])
         del best[top:]
     return best
+
+
+def _step_floor(plan: StagePlan, hw: Hardware) -> float:
+    """`step_time_floor` with the bubble bounded below by `bubble_floor` instead of simulated: at most
+    the simulated floor, so never above the step time, and no schedule is simulated for a candidate
+    that cannot reach the top (the simulations were most of the planner's ranking time)."""
+    return step_time_floor(plan, hw, bubble=False) * (1 + bubble_floor(plan))
+
+
+def bubble_floor(plan: StagePlan) -> float:
+    """A lower bound of `plan.step.bubble_over_ideal` (the simulated schedule's idle / busy time) from
+    its sizes alone: (p − 1)/(m·v), PTD-P's bubble. Why it holds for every schedule simulated
+    (`bench.schedule.simulate`, forward F and backward B per chunk action): every rank runs m·v of each,
+    so all are busy alike, W = m·v·(F + B). Rank r's first action is the forward of global chunk r for
+    micro-batch 0, which waits for chunks 0 … r−1 (r·F), and its last the backward of chunk r, which
+    chunks r−1 … 0 follow on other ranks (r·B); so the step lasts at least W + r·(F + B) for every r,
+    each rank idles at least (p − 1)·(F + B), and idle / busy ≥ p·(p − 1)·(F + B) / (p·W). The
+    extrapolation beyond 3p micro-batches (`schedule_step`) keeps the idle time of 2p and scales the
+    busy time, so the bound holds there too (tests/test_planner.py checks it against the simulator)."""
+    c = plan.cfg
+    v = c.virtual_stages if plan.schedule == "interleaved" and c.pp > 1 else 1
+    return (c.pp - 1) / (c.micro_batches * v)
 
 
 def _row(shape: Shape, mem: dict, time: dict) -> dict:
