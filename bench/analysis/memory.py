@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, wraps
 from operator import attrgetter
 
 from bench.analysis.params import (
@@ -90,6 +90,38 @@ def precision(dtype: str, mixed_state: str = "zero") -> Precision:
     # autocast: weights and gradients stay fp32 (reduced in fp32); the engines cast activations to
     # the low precision before they communicate them (tp collectives, pipeline sends).
     return Precision(4, 4, 8, 2, 2, 2, 2, 2, 4, 4)
+
+
+# --- model-state parts, memoised ------------------------------------------------------------------
+STATE_UNREAD = ("micro_batch", "micro_batches", "seq", "schedule", "recompute", "order")
+"""Config fields the model-state parts (`model_state`, `_gathered`, the ZeRO gathers and reductions)
+do not read: the batch, sequence, schedule and recomputation shape only the activations, and the rank
+order reaches the state only through the plan's shard (FSDP hybrid)."""
+_PRECISION_FIELDS = attrgetter(*(f.name for f in dataclasses.fields(Precision)))  # a tuple compares faster
+
+
+def state_memo(part):
+    """`part(plan, stage, prec)` cached on every config field but STATE_UNREAD, the plan's sharding, the
+    stage and the precision: the planner's candidates that differ only in their batch, schedule,
+    recomputation or rank order share one rank's state (tests/test_planner.py checks each part against
+    its uncached `__wrapped__`). A cached value is shared: callers copy it before they change it."""
+    memo: dict = {}
+
+    @wraps(part)
+    def cached(plan, stage: int, prec: Precision):
+        key = (_state_fields(type(plan.cfg))(plan.cfg), plan.sharding, plan.shard, stage, _PRECISION_FIELDS(prec))
+        hit = memo.get(key)
+        if hit is None:
+            if len(memo) > 65536:
+                memo.clear()
+            hit = memo[key] = part(plan, stage, prec)
+        return hit
+    return cached
+
+
+@lru_cache(maxsize=None)
+def _state_fields(kind: type) -> attrgetter:
+    return attrgetter(*(f.name for f in dataclasses.fields(kind) if f.name not in STATE_UNREAD))
 
 
 # --- parameters ----------------------------------------------------------------------------------
@@ -252,7 +284,7 @@ def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationMod
     held_for_step = (_autocast_weight_copies(m, cfg.tp) * rank.layers + (head_copy if rank.head_in_flight else 0.0)
                      if per_step else 0.0)
     activations = per_layer * rank.layers_in_flight + rank.head_in_flight * head + held_for_step
-    state = state_part(model_state, plan, stage, prec)
+    state = model_state(plan, stage, prec)
     peak = step_peak(plan, stage, prec, act, activations, head if rank.head_in_flight else 0.0, state)
     out = {**state, "activation_bytes": activations, "activation_bytes_per_layer": per_layer,
            "transient_bytes": peak - activations}
@@ -275,7 +307,7 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
       their copy in the reduction bucket (activations freed); ZeRO-3's reduce-scatter of them likewise."""
     cfg, rank, m = plan.cfg, plan.ranks[stage], plan.cfg.model_config
     tokens = cfg.micro_batch * cfg.seq
-    at_loss, in_blocks = state_part(_gathered, plan, stage, prec)
+    at_loss, in_blocks = _gathered(plan, stage, prec)
     work = layer_backward_bytes(m, tokens, cfg.tp, prec.act)
     if cfg.recompute == "full":
         work += layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, "none",
@@ -311,6 +343,7 @@ def _released(plan, state: dict) -> float:
     return 0.0
 
 
+@state_memo
 def _gathered(plan, stage: int, prec: Precision) -> tuple[float, float]:
     """Unsharded parameters (and gradients) beside the activations, (at the loss's backward, during a
     block's backward). FSDP2: the root (embeddings, final norm, head) stays gathered from forward
@@ -345,6 +378,7 @@ def _zero3_resident(plan, stage: int) -> float:
     return min(total, ds["stage3_prefetch_bucket_size"])
 
 
+@state_memo
 def _zero3_gather_bytes(plan, stage: int, prec: Precision) -> float:
     """ZeRO-3 at the end of the forward: the resident gathered parameters and the flat output of the
     largest coalesced all-gather (one prefetch bucket at most), from which they were copied."""
@@ -356,6 +390,7 @@ def _zero3_gather_bytes(plan, stage: int, prec: Precision) -> float:
     return (resident + min(flat, resident)) * prec.param
 
 
+@state_memo
 def _zero3_reduction_bytes(plan, stage: int, prec: Precision) -> float:
     """ZeRO-3 reduces in its epilogue after backward (every gradient fits one reduce bucket here, else
     bucket by bucket): the gradients, the flat input reduce_scatter_coalesced builds from them and the
@@ -364,6 +399,7 @@ def _zero3_reduction_bytes(plan, stage: int, prec: Precision) -> float:
     return n * (2 + 1 / plan.cfg.dp) * prec.grad
 
 
+@state_memo
 def _zero12_reduction_bytes(plan, stage: int, prec: Precision) -> float:
     """ZeRO-0/1/2's gradient reduction (overlap_comm off): the gradients not yet reduced and the
     reduction bucket. ZeRO-0 (its engine's bucketed all-reduce) and ZeRO-1 reduce after backward, so
@@ -382,6 +418,7 @@ def _zero12_bucket_bytes(plan, prec: Precision) -> float:
     return deepspeed_settings(plan.cfg)["reduce_bucket_size"] * prec.grad
 
 
+@state_memo
 def model_state(plan, stage: int, prec: Precision) -> dict:
     """Model-state bytes of one rank of pipeline stage `stage`, by the rule every backend's
     `Trainer.state_tensors` is measured with: every tensor the rank keeps from one step to the next
@@ -452,33 +489,3 @@ def model_state_bytes(params: float, dp: int = 1, zero: int = 0, dtype: str = "b
            "optimizer_bytes": params * prec.optimizer / div[2]}
     out["total_bytes"] = sum(out.values())
     return out
-
-
-# --- model-state parts, memoised ------------------------------------------------------------------
-STATE_UNREAD = ("micro_batch", "micro_batches", "seq", "schedule", "recompute", "order")
-"""Config fields the model-state parts (`model_state`, `_gathered`) do not read: the batch, sequence,
-schedule and recomputation shape only the activations, and the rank order reaches the state only
-through the plan's shard (FSDP hybrid)."""
-_STATE_MEMO: dict = {}
-
-
-def state_part(part, plan, stage: int, prec: Precision):
-    """`part(plan, stage, prec)`, cached on every config field but STATE_UNREAD, the plan's sharding
-    and the stage: the planner's candidates that differ only in their batch, schedule, recomputation
-    or rank order share one rank's state (tests/test_planner.py checks the key against the uncached
-    parts). The value is shared: callers copy it before they change it."""
-    key = (part, _state_fields(type(plan.cfg))(plan.cfg), plan.sharding, plan.shard, stage, _PRECISION_FIELDS(prec))
-    hit = _STATE_MEMO.get(key)
-    if hit is None:
-        if len(_STATE_MEMO) > 65536:
-            _STATE_MEMO.clear()
-        hit = _STATE_MEMO[key] = part(plan, stage, prec)
-    return hit
-
-
-_PRECISION_FIELDS = attrgetter(*(f.name for f in dataclasses.fields(Precision)))  # a tuple compares faster
-
-
-@lru_cache(maxsize=None)
-def _state_fields(kind: type) -> attrgetter:
-    return attrgetter(*(f.name for f in dataclasses.fields(kind) if f.name not in STATE_UNREAD))
