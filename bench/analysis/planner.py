@@ -235,6 +235,7 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
     validate = _Validator(engines, "cpu" if hw.name == "cpu" else "cuda")
     dropped, fits = Counter(), []
     considered = valid = 0
+    out_of_memory = f"out of memory (> {memory_fraction:.0%} of {hw.memory_bytes / 2**30:.0f} GiB; largest part: "
     for point, orders, skip in points(model, gpus, global_batch, seq, dtype, gpus_per_node):
         if skip:
             considered += 1
@@ -247,13 +248,16 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
             stages = costs.plan(shape)
             mem = costs.memory(stages)
             if mem["total_bytes"] > limit:
-                parts = {k: mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")}
-                dropped[f"out of memory (> {memory_fraction:.0%} of {hw.memory_bytes / 2**30:.0f} GiB; "
-                        f"largest part: {max(parts, key=parts.get).removesuffix('_bytes')})"] += 1
+                dropped[f"{out_of_memory}{_largest_part(mem)})"] += 1
                 continue
             fits.append((stages, mem))
     return Plan([_row(p.cfg, mem, time) for _, p, mem, time in _best(fits, hw, mixed_state, top)], considered,
                 valid, len(fits), dropped)
+
+
+def _largest_part(mem: dict) -> str:
+    parts = {k: mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")}
+    return max(parts, key=parts.get).removesuffix("_bytes")
 
 
 def _rank_key(tokens_per_s: float, mem: dict, i: int) -> tuple:
