@@ -10,7 +10,8 @@ from bench.analysis.estimate import extreme_stages, memory, predict_time
 from bench.analysis.hardware import get_hardware
 from bench.analysis.memory import (_gathered, _zero3_gather_bytes, _zero3_reduction_bytes, _zero12_reduction_bytes,
                                    model_state, precision)
-from bench.analysis.planner import _PointCosts, _rank_key, _Validator, _valid_shapes, bubble_floor, plan, points
+from bench.analysis.planner import (_PointCosts, _rank_key, _step_floor, _tp_floor, _Validator, _valid_shapes, bubble_floor,
+                                    plan, points)
 from bench.analysis.stage_plan import stage_plan
 from bench.schedule import SCHEDULES, schedule_step
 from models import PRESETS
@@ -104,3 +105,19 @@ def test_ranking_equals_timing_every_fitting_candidate(model, gpus, batch, engin
              c["micro_batch"], c["sequence_parallel"], c["recompute"], c["order"]) for c in result.configs] == [
         (s.tp, s.pp, s.backend, s.zero, s.fsdp, s.schedule, s.virtual_stages, s.micro_batch, s.sequence_parallel,
          s.recompute, s.order) for s in best]
+
+
+@pytest.mark.parametrize("model,gpus,batch,engines,hardware,mixed_state", [
+    ("gpt2-124m", 16, 32, "any", "h100-sxm", "zero"), ("llama2-7b", 32, 64, "suite", "a100-80gb", "autocast"),
+    ("tiny", 8, 16, "any", "cpu", "zero")])
+def test_step_floors_are_below_the_step_time(model, gpus, batch, engines, hardware, mixed_state):
+    """Both bounds the ranking prunes with, the compute one and the one with the tp collectives, for every
+    candidate (fitting or not) on each planned rank layout."""
+    hw, n = get_hardware(hardware), 0
+    for _, shapes in candidates(model, gpus, batch, engines, per_node=8):
+        for shape in shapes:
+            stages = stage_plan(shape, 8, extreme_stages(shape.pp))
+            step = predict_time(stages, hw, mixed_state)["step_time_s"]
+            assert _step_floor(stages, hw) <= _step_floor(stages, hw, _tp_floor(stages, hw, mixed_state)) <= step, shape
+            n += 1
+    assert n > 300

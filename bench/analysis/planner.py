@@ -18,10 +18,11 @@ from collections import Counter
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
-from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
+from bench.analysis.comm import tp_traffic
+from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, link, memory, predict_time
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
 from bench.analysis.stage_plan import StagePlan, stage_plan
-from bench.analysis.time_model import step_time_floor
+from bench.analysis.time_model import collectives_time, step_time_floor
 from bench.config import ConfigError, RunConfig, check_number, structural_reason
 from models.config import get_preset
 
@@ -268,29 +269,46 @@ def _rank_key(tokens_per_s: float, mem: dict, i: int) -> tuple:
 def _best(fits: list, hw: Hardware, mixed_state: str, top: int) -> list[tuple]:
     """The `top` best of the fitting candidates by `_rank_key`, as (key, plan, memory, time), timing only
     what can reach them. A bound's key is never worse than its candidate's (`_step_floor` is never above
-    the step time): candidates are visited best bound first, and the search stops at the first whose
-    bound is worse than the top's last (keys are distinct: they end in the candidate's index)."""
-    def bound(i: int) -> tuple:
+    the step time): candidates are visited best compute bound first, the search stops at the first one
+    worse than the top's last, and a candidate is skipped when its bound with the tp collectives is
+    (keys are distinct: they end in the candidate's index)."""
+    def key(i: int, seconds: float) -> tuple:
         plan, mem = fits[i]
-        floor = _step_floor(plan, hw)
-        return _rank_key(plan.cfg.tokens_per_step / floor if floor > 0 else float("inf"), mem, i)
+        return _rank_key(plan.cfg.tokens_per_step / seconds if seconds > 0 else float("inf"), mem, i)
 
     best: list[tuple] = []
-    for key, i in sorted((bound(i), i) for i in range(len(fits))):
-        if len(best) >= top and key > best[top - 1][0]:
+    floors = [_step_floor(plan, hw) for plan, _ in fits]
+    for bound, i in sorted((key(i, floors[i]), i) for i in range(len(fits))):
+        if len(best) >= top and bound > best[top - 1][0]:
             break
         plan, mem = fits[i]
+        if len(best) >= top and key(i, _step_floor(plan, hw, _tp_floor(plan, hw, mixed_state))) > best[top - 1][0]:
+            continue
         time = predict_time(plan, hw, mixed_state)
         bisect.insort(best, (_rank_key(time["tokens_per_s"], mem, i), plan, mem, time), key=lambda r: r[0])
         del best[top:]
     return best
 
 
-def _step_floor(plan: StagePlan, hw: Hardware) -> float:
-    """`step_time_floor` with the bubble bounded below by `bubble_floor` instead of simulated: at most
-    the simulated floor, so never above the step time, and no schedule is simulated for a candidate
-    that cannot reach the top (the simulations were most of the planner's ranking time)."""
-    return step_time_floor(plan, hw, bubble=False) * (1 + bubble_floor(plan))
+def _step_floor(plan: StagePlan, hw: Hardware, tp_s: float = 0.0) -> float:
+    """A lower bound of the step time: the busiest planned rank's micro-batch compute (`step_time_floor`)
+    plus `tp_s`, at most any planned rank's tp collectives (`_tp_floor`: `step_terms` adds each rank's to
+    its busy time), with the bubble over both bounded below by `bubble_floor` instead of simulated (no
+    schedule is simulated for a candidate that cannot reach the top: the simulations were most of the
+    planner's ranking time). The busiest rank's compute and tp are at least the compute of the busiest
+    and the fewest tp seconds of any."""
+    return (step_time_floor(plan, hw, bubble=False) + tp_s * (1 - 1e-9)) * (1 + bubble_floor(plan))
+
+
+def _tp_floor(plan: StagePlan, hw: Hardware, mixed_state: str) -> float:
+    """The fewest seconds of per-micro-batch tp collectives of any planned rank, from its own tp traffic
+    (`comm.tp_traffic`, part of the traffic `time_model.stage_time` puts on the critical path) over the
+    links `predict_time` gives the tp group."""
+    cfg, g = plan.cfg, plan.gpus_per_node or hw.gpus_per_node
+    links = {"tp": link(cfg, hw, "tp", g)[:2]}
+    return min(collectives_time([tr for tr in tp_traffic(plan, stage, mixed_state)
+                                 if tr.per == "micro-batch" and tr.dim == "tp"], hw, links, cfg.world)
+               for stage in plan.ranks)
 
 
 def bubble_floor(plan: StagePlan) -> float:
