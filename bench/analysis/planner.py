@@ -7,8 +7,10 @@ schedule (gpipe, 1f1b, interleaved with every v that divides the layers); the mo
 (native ZeRO 0/1, DeepSpeed ZeRO 2/3, FSDP full/grad-op/hybrid); sequence parallel; recomputation;
 the rank order (only when it changes which groups cross nodes). Each candidate is checked by
 RunConfig's two validation layers (each cached on the fields it reads), then by
-memory, then timed by `bench.analysis.estimate`. Candidates the model predicts identically under
-two backends are kept once (native first).
+memory (one point's candidates share their stage plans and memory where the fields those read agree:
+`_PointCosts`), then timed by `bench.analysis.estimate` if a lower bound of its step time can still
+reach the top (`_best`). Candidates the model predicts identically under two backends are kept once
+(native first).
 """
 from __future__ import annotations
 
