@@ -77,6 +77,7 @@ class Precision:
     param_comm: int  # dp all-gather of parameters
 
 
+@lru_cache(maxsize=None)  # one frozen record per convention: the cost model asks for it per rank and candidate
 def precision(dtype: str, mixed_state: str = "zero") -> Precision:
     if dtype == "fp32":
         return Precision(4, 4, 8, 4, 4, 4, 4, 4, 4, 4)
