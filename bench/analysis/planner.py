@@ -33,6 +33,9 @@ SHARDINGS = (("native", 0, None), ("native", 1, None), ("deepspeed", 0, None), (
              ("deepspeed", 2, None), ("deepspeed", 3, None), ("fsdp", 0, "grad-op"), ("fsdp", 0, "full"),
              ("fsdp", 0, "hybrid"))
 RECOMPUTE = ("none", "selective", "full")
+TIME_IMPL = "table2"
+"""The time model's implementation the planner ranks with (Megatron-LM's kernels): its bounds and its
+timing must use the same one, or a bound could exceed the time it bounds."""
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL = 8
 
@@ -279,27 +282,28 @@ def _best(fits: list, hw: Hardware, mixed_state: str, top: int) -> list[tuple]:
         return _rank_key(plan.cfg.tokens_per_step / seconds if seconds > 0 else float("inf"), mem, i)
 
     best: list[tuple] = []
-    floors = [_step_floor(plan, hw) for plan, _ in fits]
+    floors = [_step_floor(plan, hw, TIME_IMPL) for plan, _ in fits]
     for bound, i in sorted((key(i, floors[i]), i) for i in range(len(fits))):
         if len(best) >= top and bound > best[top - 1][0]:
             break
         plan, mem = fits[i]
-        if len(best) >= top and key(i, _step_floor(plan, hw, _tp_floor(plan, hw, mixed_state))) > best[top - 1][0]:
+        tp_s = _tp_floor(plan, hw, mixed_state) if len(best) >= top else 0.0
+        if len(best) >= top and key(i, _step_floor(plan, hw, TIME_IMPL, tp_s)) > best[top - 1][0]:
             continue
-        time = predict_time(plan, hw, mixed_state)
+        time = predict_time(plan, hw, mixed_state, TIME_IMPL)
         bisect.insort(best, (_rank_key(time["tokens_per_s"], mem, i), plan, mem, time), key=lambda r: r[0])
         del best[top:]
     return best
 
 
-def _step_floor(plan: StagePlan, hw: Hardware, tp_s: float = 0.0) -> float:
+def _step_floor(plan: StagePlan, hw: Hardware, impl: str, tp_s: float = 0.0) -> float:
     """A lower bound of the step time: the busiest planned rank's micro-batch compute (`step_time_floor`)
     plus `tp_s`, at most any planned rank's tp collectives (`_tp_floor`: `step_terms` adds each rank's to
     its busy time), with the bubble over both bounded below by `bubble_floor` instead of simulated (no
     schedule is simulated for a candidate that cannot reach the top: the simulations were most of the
     planner's ranking time). The busiest rank's compute and tp are at least the compute of the busiest
     and the fewest tp seconds of any."""
-    return (step_time_floor(plan, hw, bubble=False) + tp_s * (1 - 1e-9)) * (1 + bubble_floor(plan))
+    return (step_time_floor(plan, hw, impl, bubble=False) + tp_s * (1 - 1e-9)) * (1 + bubble_floor(plan))
 
 
 def _tp_floor(plan: StagePlan, hw: Hardware, mixed_state: str) -> float:
