@@ -10,8 +10,8 @@ from bench.analysis.estimate import extreme_stages, memory, predict_time
 from bench.analysis.hardware import get_hardware
 from bench.analysis.memory import (_gathered, _zero3_gather_bytes, _zero3_reduction_bytes, _zero12_reduction_bytes,
                                    model_state, precision)
-from bench.analysis.planner import (TIME_IMPL, _PointCosts, _rank_key, _step_floor, _tp_floor, _Validator, _valid_shapes,
-                                    bubble_floor, plan, points)
+from bench.analysis.planner import (TIME_IMPL, _PointCosts, _rank_key, _step_floor, _tp_floor, _Validator,
+                                    _valid_shapes, bubble_floor, plan, points)
 from bench.analysis.stage_plan import stage_plan
 from bench.schedule import SCHEDULES, schedule_step
 from models import PRESETS
@@ -112,13 +112,15 @@ def test_ranking_equals_timing_every_fitting_candidate(model, gpus, batch, engin
     ("tiny", 8, 16, "any", "cpu", "zero")])
 def test_step_floors_are_below_the_step_time(model, gpus, batch, engines, hardware, mixed_state):
     """Both bounds the ranking prunes with, the compute one and the one with the tp collectives, for every
-    candidate (fitting or not) on each planned rank layout."""
+    candidate (fitting or not), under either time-model implementation given to both."""
     hw, n = get_hardware(hardware), 0
     for _, shapes in candidates(model, gpus, batch, engines, per_node=8):
         for shape in shapes:
             stages = stage_plan(shape, 8, extreme_stages(shape.pp))
-            step = predict_time(stages, hw, mixed_state, TIME_IMPL)["step_time_s"]
-            with_tp = _step_floor(stages, hw, TIME_IMPL, _tp_floor(stages, hw, mixed_state))
-            assert _step_floor(stages, hw, TIME_IMPL) <= with_tp <= step, shape
+            assert _tp_floor(stages, hw, None) <= _tp_floor(stages, hw, mixed_state)  # no convention: the fewest of any
+            for impl in ("table2", "suite"):
+                step = predict_time(stages, hw, mixed_state, impl)["step_time_s"]
+                with_tp = _step_floor(stages, hw, impl, _tp_floor(stages, hw, mixed_state))
+                assert _step_floor(stages, hw, impl) <= with_tp <= step, (impl, shape)
             n += 1
     assert n > 300

@@ -23,6 +23,7 @@ from functools import lru_cache
 from bench.analysis.comm import tp_traffic
 from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, link, memory, predict_time
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
+from bench.analysis.memory import MIXED_STATES
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import collectives_time, step_time_floor
 from bench.config import ConfigError, RunConfig, check_number, structural_reason
@@ -34,8 +35,9 @@ SHARDINGS = (("native", 0, None), ("native", 1, None), ("deepspeed", 0, None), (
              ("fsdp", 0, "hybrid"))
 RECOMPUTE = ("none", "selective", "full")
 TIME_IMPL = "table2"
-"""The time model's implementation the planner ranks with (Megatron-LM's kernels): its bounds and its
-timing must use the same one, or a bound could exceed the time it bounds."""
+"""The time model's implementation the planner ranks with (`bench.analysis.time_model`: Megatron-LM's
+kernels). Its bounds and its timing are given the same one, or a bound could exceed the time it bounds
+(the suite's fused attention computes less)."""
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL = 8
 
@@ -287,8 +289,8 @@ def _best(fits: list, hw: Hardware, mixed_state: str, top: int) -> list[tuple]:
         if len(best) >= top and bound > best[top - 1][0]:
             break
         plan, mem = fits[i]
-        tp_s = _tp_floor(plan, hw, mixed_state) if len(best) >= top else 0.0
-        if len(best) >= top and key(i, _step_floor(plan, hw, TIME_IMPL, tp_s)) > best[top - 1][0]:
+        with_tp = _step_floor(plan, hw, TIME_IMPL, _tp_floor(plan, hw, mixed_state)) if len(best) >= top else 0.0
+        if len(best) >= top and key(i, with_tp) > best[top - 1][0]:
             continue
         time = predict_time(plan, hw, mixed_state, TIME_IMPL)
         bisect.insort(best, (_rank_key(time["tokens_per_s"], mem, i), plan, mem, time), key=lambda r: r[0])
@@ -297,24 +299,24 @@ def _best(fits: list, hw: Hardware, mixed_state: str, top: int) -> list[tuple]:
 
 
 def _step_floor(plan: StagePlan, hw: Hardware, impl: str, tp_s: float = 0.0) -> float:
-    """A lower bound of the step time: the busiest planned rank's micro-batch compute (`step_time_floor`)
-    plus `tp_s`, at most any planned rank's tp collectives (`_tp_floor`: `step_terms` adds each rank's to
-    its busy time), with the bubble over both bounded below by `bubble_floor` instead of simulated (no
-    schedule is simulated for a candidate that cannot reach the top: the simulations were most of the
-    planner's ranking time). The busiest rank's compute and tp are at least the compute of the busiest
-    and the fewest tp seconds of any."""
+    """A lower bound of the step time under `impl`: the busiest planned rank's micro-batch compute
+    (`step_time_floor`) plus `tp_s`, at most any planned rank's tp collectives (`_tp_floor`:
+    `step_terms` adds each rank's to its busy time), with the bubble over both bounded below by
+    `bubble_floor` instead of simulated (no schedule is simulated for a candidate that cannot reach the
+    top: the simulations were most of the planner's ranking time). The busiest rank's compute and tp
+    are at least the compute of the busiest and the fewest tp seconds of any."""
     return (step_time_floor(plan, hw, impl, bubble=False) + tp_s * (1 - 1e-9)) * (1 + bubble_floor(plan))
 
 
-def _tp_floor(plan: StagePlan, hw: Hardware, mixed_state: str) -> float:
+def _tp_floor(plan: StagePlan, hw: Hardware, mixed_state: str | None) -> float:
     """The fewest seconds of per-micro-batch tp collectives of any planned rank, from its own tp traffic
     (`comm.tp_traffic`, part of the traffic `time_model.stage_time` puts on the critical path) over the
-    links `predict_time` gives the tp group."""
+    links `predict_time` gives the tp group; under the given state convention, else the fewest of any."""
     cfg, g = plan.cfg, plan.gpus_per_node or hw.gpus_per_node
     links = {"tp": link(cfg, hw, "tp", g)[:2]}
-    return min(collectives_time([tr for tr in tp_traffic(plan, stage, mixed_state)
+    return min(collectives_time([tr for tr in tp_traffic(plan, stage, state)
                                  if tr.per == "micro-batch" and tr.dim == "tp"], hw, links, cfg.world)
-               for stage in plan.ranks)
+               for stage in plan.ranks for state in ((mixed_state,) if mixed_state else MIXED_STATES))
 
 
 def bubble_floor(plan: StagePlan) -> float:
