@@ -2,8 +2,8 @@
 Llama-3.1-405B on 16,384 H100s (Meta's batch: 2,048 sequences of 8,192 tokens) under 1 s, both with
 `--engines any` (the larger search space), as a fresh `bench` process (interpreter start-up and imports
 count, as a user waits for them). Also the planner alone, in-process: `plan()` timed in a fresh
-interpreter each repeat (its caches start cold, as in the CLI), and `bench layout` of one GPU (the
-start-up floor).
+interpreter each repeat (its caches start cold, as in the CLI; wall and its own CPU time), and `bench
+layout` of one GPU (the start-up floor).
 
 Each command runs `--repeats` times; the median and the fastest wall time are printed (the fastest is
 the least disturbed by other jobs on a shared machine), and the CPU time (user + system) of the
@@ -49,11 +49,12 @@ def times(command: list[str], repeats: int) -> list[tuple[float, float, str]]:
     return out
 
 
-def in_process(args: tuple, repeats: int) -> list[float]:
-    """Seconds of `plan(*args)` alone, each in a fresh interpreter (imports not counted, caches cold)."""
-    code = ("import sys, time; from bench.analysis.planner import plan; t0 = time.perf_counter(); "
-            f"plan(*{args!r}, top=5, engines='any'); print(time.perf_counter() - t0)")
-    return [float(out) for _, _, out in times([sys.executable, "-c", code], repeats)]
+def in_process(args: tuple, repeats: int) -> list[tuple[float, float]]:
+    """(wall, cpu) seconds of `plan(*args)` alone, each in a fresh interpreter (imports not counted, caches
+    cold): the CPU time is the planner's own, which other jobs on a shared machine inflate less."""
+    code = ("import time; from bench.analysis.planner import plan; t0, c0 = time.perf_counter(), time.process_time(); "
+            f"plan(*{args!r}, top=5, engines='any'); print(time.perf_counter() - t0, time.process_time() - c0)")
+    return [tuple(map(float, out.split())) for _, _, out in times([sys.executable, "-c", code], repeats)]
 
 
 def _children_cpu() -> float:
@@ -61,12 +62,11 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _line(name: str, runs: list[tuple[float, float | None]], target: float | None) -> str:
+def _line(name: str, runs: list[tuple[float, float]], target: float | None) -> str:
     median = statistics.median(w for w, _ in runs)
     fastest, cpu = min(runs)
     verdict = "" if target is None else f"< {target:g} s " + ("ok" if median < target else "MISSED")
-    its_cpu = "-" if cpu is None else f"{cpu:.3f}s"
-    return f"{name:<40} {median:>7.3f}s {fastest:>7.3f}s {its_cpu:>8}  {verdict}"
+    return f"{name:<40} {median:>7.3f}s {fastest:>7.3f}s {cpu:>7.3f}s  {verdict}"
 
 
 def main() -> None:
@@ -77,7 +77,7 @@ def main() -> None:
     layout = times(bench_command() + ["layout", "--tp", "1", "--pp", "1", "--dp", "1"], repeats)
     print(_line("bench layout 1 GPU (start-up)", [r[:2] for r in layout], None))
     for name, args, target in PLANS:
-        print(_line(f"{name}, in-process", [(t, None) for t in in_process(args, repeats)], None))
+        print(_line(f"{name}, in-process", in_process(args, repeats), None))
         print(_line(f"bench {name}", [r[:2] for r in times(bench_command() + cli_args(*args), repeats)], target))
     if Path("/proc/loadavg").exists():
         print(f"(load average {Path('/proc/loadavg').read_text().split()[0]} at the end)")

@@ -42,8 +42,10 @@ DeepSpeed's gradient reduction), less the state the backend frees when the step 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, wraps
+from operator import attrgetter
 
 from bench.analysis.params import (
     deepspeed_bf16_optimizer,
@@ -76,6 +78,7 @@ class Precision:
     param_comm: int  # dp all-gather of parameters
 
 
+@lru_cache(maxsize=None)  # one frozen record per convention: the cost model asks for it per rank and candidate
 def precision(dtype: str, mixed_state: str = "zero") -> Precision:
     if dtype == "fp32":
         return Precision(4, 4, 8, 4, 4, 4, 4, 4, 4, 4)
@@ -89,6 +92,38 @@ def precision(dtype: str, mixed_state: str = "zero") -> Precision:
     # autocast: weights and gradients stay fp32 (reduced in fp32); the engines cast activations to
     # the low precision before they communicate them (tp collectives, pipeline sends).
     return Precision(4, 4, 8, 2, 2, 2, 2, 2, 4, 4)
+
+
+# --- model-state parts, memoised ------------------------------------------------------------------
+STATE_UNREAD = ("micro_batch", "micro_batches", "seq", "schedule", "recompute", "order")
+"""Config fields the model-state parts (`model_state`, `_gathered`, the ZeRO gathers and reductions)
+do not read: the batch, sequence, schedule and recomputation shape only the activations, and the rank
+order reaches the state only through the plan's shard (FSDP hybrid)."""
+_PRECISION_FIELDS = attrgetter(*(f.name for f in dataclasses.fields(Precision)))  # a tuple compares faster
+
+
+def state_memo(part):
+    """`part(plan, stage, prec)` cached on every config field but STATE_UNREAD, the plan's sharding, the
+    stage and the precision: the planner's candidates that differ only in their batch, schedule,
+    recomputation or rank order share one rank's state (tests/test_planner.py checks each part against
+    its uncached `__wrapped__`). A cached value is shared: callers copy it before they change it."""
+    memo: dict = {}
+
+    @wraps(part)
+    def cached(plan, stage: int, prec: Precision):
+        key = (_state_fields(type(plan.cfg))(plan.cfg), plan.sharding, plan.shard, stage, _PRECISION_FIELDS(prec))
+        hit = memo.get(key)
+        if hit is None:
+            if len(memo) > 65536:
+                memo.clear()
+            hit = memo[key] = part(plan, stage, prec)
+        return hit
+    return cached
+
+
+@lru_cache(maxsize=None)
+def _state_fields(kind: type) -> attrgetter:
+    return attrgetter(*(f.name for f in dataclasses.fields(kind) if f.name not in STATE_UNREAD))
 
 
 # --- parameters ----------------------------------------------------------------------------------
@@ -305,6 +340,7 @@ def _released(plan, state: dict) -> float:
     return 0.0
 
 
+@state_memo
 def _gathered(plan, stage: int, prec: Precision) -> tuple[float, float]:
     """Unsharded parameters (and gradients) beside the activations, (at the loss's backward, during a
     block's backward). FSDP2: the root (embeddings, final norm, head) stays gathered from forward
@@ -339,6 +375,7 @@ def _zero3_resident(plan, stage: int) -> float:
     return min(total, ds["stage3_prefetch_bucket_size"])
 
 
+@state_memo
 def _zero3_gather_bytes(plan, stage: int, prec: Precision) -> float:
     """ZeRO-3 at the end of the forward: the resident gathered parameters and the flat output of the
     largest coalesced all-gather (one prefetch bucket at most), from which they were copied."""
@@ -350,6 +387,7 @@ def _zero3_gather_bytes(plan, stage: int, prec: Precision) -> float:
     return (resident + min(flat, resident)) * prec.param
 
 
+@state_memo
 def _zero3_reduction_bytes(plan, stage: int, prec: Precision) -> float:
     """ZeRO-3 reduces in its epilogue after backward (every gradient fits one reduce bucket here, else
     bucket by bucket): the gradients, the flat input reduce_scatter_coalesced builds from them and the
@@ -358,6 +396,7 @@ def _zero3_reduction_bytes(plan, stage: int, prec: Precision) -> float:
     return n * (2 + 1 / plan.cfg.dp) * prec.grad
 
 
+@state_memo
 def _zero12_reduction_bytes(plan, stage: int, prec: Precision) -> float:
     """ZeRO-0/1/2's gradient reduction (overlap_comm off): the gradients not yet reduced and the
     reduction bucket. ZeRO-0 (its engine's bucketed all-reduce) and ZeRO-1 reduce after backward, so
@@ -376,6 +415,7 @@ def _zero12_bucket_bytes(plan, prec: Precision) -> float:
     return deepspeed_settings(plan.cfg)["reduce_bucket_size"] * prec.grad
 
 
+@state_memo
 def model_state(plan, stage: int, prec: Precision) -> dict:
     """Model-state bytes of one rank of pipeline stage `stage`, by the rule every backend's
     `Trainer.state_tensors` is measured with: every tensor the rank keeps from one step to the next

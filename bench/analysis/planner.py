@@ -7,8 +7,10 @@ schedule (gpipe, 1f1b, interleaved with every v that divides the layers); the mo
 (native ZeRO 0/1, DeepSpeed ZeRO 2/3, FSDP full/grad-op/hybrid); sequence parallel; recomputation;
 the rank order (only when it changes which groups cross nodes). Each candidate is checked by
 RunConfig's two validation layers (each cached on the fields it reads), then by
-memory, then timed by `bench.analysis.estimate`. Candidates the model predicts identically under
-two backends are kept once (native first).
+memory (one point's candidates share their stage plans and memory where the fields those read agree:
+`_PointCosts`), then timed by `bench.analysis.estimate` if a lower bound of its step time can still
+reach the top (`_best`). Candidates the model predicts identically under two backends are kept once
+(native first).
 """
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ from collections import Counter
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
-from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, memory, predict_time
+from bench.analysis.comm import tp_traffic
+from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, link, memory, predict_time
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
-from bench.analysis.stage_plan import stage_plan
-from bench.analysis.time_model import step_time_floor
+from bench.analysis.memory import MIXED_STATES
+from bench.analysis.stage_plan import StagePlan, stage_plan
+from bench.analysis.time_model import collectives_time, step_time_floor
 from bench.config import ConfigError, RunConfig, check_number, structural_reason
 from models.config import get_preset
 
@@ -30,6 +34,10 @@ SHARDINGS = (("native", 0, None), ("native", 1, None), ("deepspeed", 0, None), (
              ("deepspeed", 2, None), ("deepspeed", 3, None), ("fsdp", 0, "grad-op"), ("fsdp", 0, "full"),
              ("fsdp", 0, "hybrid"))
 RECOMPUTE = ("none", "selective", "full")
+TIME_IMPL = "table2"
+"""The time model's implementation the planner ranks with (`bench.analysis.time_model`: Megatron-LM's
+kernels). Its bounds and its timing are given the same one, or a bound could exceed the time it bounds
+(the suite's fused attention computes less)."""
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL = 8
 
@@ -152,16 +160,18 @@ def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_
 
 
 def _valid_shapes(point: Shape, orders: tuple, validate: _Validator, dropped: Counter):
-    """The candidates of one point (sharding × recomputation × rank order) that pass validation;
+    """The distinct candidates of one point (sharding × recomputation × rank order) that pass validation;
     each refused candidate is counted under its reason. Validity does not depend on the rank order,
-    so each answer counts for every order; a Shape is built only for the valid ones."""
+    so each answer counts for every order. Candidates the model predicts identically under two backends
+    (same layout, schedule, micro-batch, recomputation, order and what is sharded) are kept once, native
+    first; the fields that tell them apart all belong to the point, so duplicates are sought within it."""
     reason = validate.structure(point)
     if reason:
         dropped[_reason_class(reason)] += len(SHARDINGS) * len(RECOMPUTE) * len(orders)
         return
-    facts = _support_facts(point)  # Shape(**…) is cheaper than dataclasses.replace
-    fields_ = {f.name: getattr(point, f.name) for f in fields(Shape)}
+    facts, fields_, seen = _support_facts(point), _fields(point), set()
     for backend, zero, fsdp in SHARDINGS:
+        what = _sharding_what(backend, zero, fsdp)
         for recompute in RECOMPUTE:
             options = {"backend": backend, "zero": zero, "fsdp": fsdp, "recompute": recompute}
             reason = validate.support(point, options, facts)
@@ -169,7 +179,47 @@ def _valid_shapes(point: Shape, orders: tuple, validate: _Validator, dropped: Co
                 dropped[_reason_class(reason)] += len(orders)
                 continue
             for order in orders:
-                yield Shape(**{**fields_, **options, "order": order})
+                if (recompute, order, what) in seen:
+                    dropped["duplicate of an equivalent config on another backend"] += 1
+                    continue
+                seen.add((recompute, order, what))
+                yield _candidate(fields_, options, order)
+
+
+def _candidate(point_fields: dict, options: dict, order: str) -> Shape:
+    """The one place candidates are built: a point's fields (`_fields`) with the backend options and the
+    rank order (Shape(**…) is cheaper than dataclasses.replace)."""
+    return Shape(**{**point_fields, **options, "order": order})
+
+
+def _fields(point: Shape) -> dict:
+    return {f.name: getattr(point, f.name) for f in fields(Shape)}
+
+
+class _PointCosts:
+    """The stage plans and memory of one point's candidates, each worked out once for the candidates that
+    differ only in fields it does not read (tests/test_planner.py checks both against the uncached
+    functions): `stage_plan` reads neither the recomputation nor, but for FSDP hybrid's shard groups, the
+    rank order; `memory` reads the rank order only through the plan's sharding."""
+
+    def __init__(self, gpus_per_node: int, mixed_state: str, activations: str):
+        self.gpus_per_node, self.mixed_state, self.activations = gpus_per_node, mixed_state, activations
+        self.plans, self.memories = {}, {}
+
+    def plan(self, s: Shape) -> StagePlan:
+        key = (s.backend, s.zero, s.fsdp, s.order)
+        base = self.plans.get(key)
+        if base is None:
+            base = self.plans[key] = stage_plan(s, self.gpus_per_node, extreme_stages(s.pp))
+            return base
+        return replace(base, cfg=s)
+
+    def memory(self, stages: StagePlan) -> dict:
+        s = stages.cfg
+        key = (s.backend, s.zero, s.fsdp, s.recompute, stages.sharding, stages.shard)
+        if key not in self.memories:
+            self.memories[key] = memory(stages, self.mixed_state, self.activations)
+        return self.memories[key]
 
 
 def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, global_batch: int,
@@ -191,33 +241,31 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
         raise ValueError(reason)
     limit = hw.memory_bytes * memory_fraction
     validate = _Validator(engines, "cpu" if hw.name == "cpu" else "cuda")
-    dropped, seen, fits = Counter(), set(), []
+    dropped, fits = Counter(), []
     considered = valid = 0
+    out_of_memory = f"out of memory (> {memory_fraction:.0%} of {hw.memory_bytes / 2**30:.0f} GiB; largest part: "
     for point, orders, skip in points(model, gpus, global_batch, seq, dtype, gpus_per_node):
         if skip:
             considered += 1
             dropped[skip] += 1
             continue
         considered += len(SHARDINGS) * len(RECOMPUTE) * len(orders)
+        costs = _PointCosts(gpus_per_node, mixed_state, activations)
         for shape in _valid_shapes(point, orders, validate, dropped):
-            key = (shape.tp, shape.pp, shape.schedule, shape.virtual_stages, shape.micro_batch,
-                   shape.sequence_parallel, shape.recompute, shape.order,
-                   _sharding_what(shape.backend, shape.zero, shape.fsdp))
-            if key in seen:
-                dropped["duplicate of an equivalent config on another backend"] += 1
-                continue
-            seen.add(key)
             valid += 1
-            stages = stage_plan(shape, gpus_per_node, extreme_stages(shape.pp))
-            mem = memory(stages, mixed_state, activations)
+            stages = costs.plan(shape)
+            mem = costs.memory(stages)
             if mem["total_bytes"] > limit:
-                parts = {k: mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")}
-                dropped[f"out of memory (> {memory_fraction:.0%} of {hw.memory_bytes / 2**30:.0f} GiB; "
-                        f"largest part: {max(parts, key=parts.get).removesuffix('_bytes')})"] += 1
+                dropped[f"{out_of_memory}{_largest_part(mem)})"] += 1
                 continue
             fits.append((stages, mem))
     return Plan([_row(p.cfg, mem, time) for _, p, mem, time in _best(fits, hw, mixed_state, top)], considered,
                 valid, len(fits), dropped)
+
+
+def _largest_part(mem: dict) -> str:
+    parts = {k: mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")}
+    return max(parts, key=parts.get).removesuffix("_bytes")
 
 
 def _rank_key(tokens_per_s: float, mem: dict, i: int) -> tuple:
@@ -227,25 +275,63 @@ def _rank_key(tokens_per_s: float, mem: dict, i: int) -> tuple:
 
 def _best(fits: list, hw: Hardware, mixed_state: str, top: int) -> list[tuple]:
     """The `top` best of the fitting candidates by `_rank_key`, as (key, plan, memory, time), timing only
-    what can reach them. A bound's key is never worse than its candidate's (`step_time_floor` is never
-    above the step time): candidates are visited best compute bound first, the search stops at the
-    first one worse than the top's last, and a candidate is skipped when its bound with the bubble is."""
-    def bound(i: int, bubble: bool) -> tuple:
+    what can reach them. A bound's key is never worse than its candidate's (`_step_floor` is never above
+    the step time): candidates are visited best compute bound first, the search stops at the first one
+    worse than the top's last, and a candidate is skipped when its bound with the tp collectives is
+    (keys are distinct: they end in the candidate's index)."""
+    def key(i: int, seconds: float) -> tuple:
         plan, mem = fits[i]
-        floor = step_time_floor(plan, hw, bubble=bubble)
-        return _rank_key(plan.cfg.tokens_per_step / floor if floor > 0 else float("inf"), mem, i)
+        return _rank_key(plan.cfg.tokens_per_step / seconds if seconds > 0 else float("inf"), mem, i)
 
     best: list[tuple] = []
-    for key, i in sorted((bound(i, False), i) for i in range(len(fits))):
-        if len(best) >= top and key > best[top - 1][0]:
+    floors = [_step_floor(plan, hw, TIME_IMPL) for plan, _ in fits]
+    for bound, i in sorted((key(i, floors[i]), i) for i in range(len(fits))):
+        if len(best) >= top and bound > best[top - 1][0]:
             break
-        if len(best) >= top and bound(i, True) > best[top - 1][0]:
-            continue
         plan, mem = fits[i]
-        time = predict_time(plan, hw, mixed_state)
+        with_tp = _step_floor(plan, hw, TIME_IMPL, _tp_floor(plan, hw, mixed_state)) if len(best) >= top else 0.0
+        if len(best) >= top and key(i, with_tp) > best[top - 1][0]:
+            continue
+        time = predict_time(plan, hw, mixed_state, TIME_IMPL)
         bisect.insort(best, (_rank_key(time["tokens_per_s"], mem, i), plan, mem, time), key=lambda r: r[0])
         del best[top:]
     return best
+
+
+def _step_floor(plan: StagePlan, hw: Hardware, impl: str, tp_s: float = 0.0) -> float:
+    """A lower bound of the step time under `impl`: the busiest planned rank's micro-batch compute
+    (`step_time_floor`) plus `tp_s`, at most any planned rank's tp collectives (`_tp_floor`:
+    `step_terms` adds each rank's to its busy time), with the bubble over both bounded below by
+    `bubble_floor` instead of simulated (no schedule is simulated for a candidate that cannot reach the
+    top: the simulations were most of the planner's ranking time). The busiest rank's compute and tp
+    are at least the compute of the busiest and the fewest tp seconds of any."""
+    return (step_time_floor(plan, hw, impl, bubble=False) + tp_s * (1 - 1e-9)) * (1 + bubble_floor(plan))
+
+
+def _tp_floor(plan: StagePlan, hw: Hardware, mixed_state: str | None) -> float:
+    """The fewest seconds of per-micro-batch tp collectives of any planned rank, from its own tp traffic
+    (`comm.tp_traffic`, part of the traffic `time_model.stage_time` puts on the critical path) over the
+    links `predict_time` gives the tp group; under the given state convention, else the fewest of any."""
+    cfg, g = plan.cfg, plan.gpus_per_node or hw.gpus_per_node
+    links = {"tp": link(cfg, hw, "tp", g)[:2]}
+    return min(collectives_time([tr for tr in tp_traffic(plan, stage, state)
+                                 if tr.per == "micro-batch" and tr.dim == "tp"], hw, links, cfg.world)
+               for stage in plan.ranks for state in ((mixed_state,) if mixed_state else MIXED_STATES))
+
+
+def bubble_floor(plan: StagePlan) -> float:
+    """A lower bound of `plan.step.bubble_over_ideal` (the simulated schedule's idle / busy time) from
+    its sizes alone: (p − 1)/(m·v), PTD-P's bubble. Why it holds for every schedule simulated
+    (`bench.schedule.simulate`, forward F and backward B per chunk action): every rank runs m·v of each,
+    so all are busy alike, W = m·v·(F + B). Rank r's first action is the forward of global chunk r for
+    micro-batch 0, which waits for chunks 0 … r−1 (r·F), and its last the backward of chunk r, which
+    chunks r−1 … 0 follow on other ranks (r·B); so the step lasts at least W + r·(F + B) for every r,
+    each rank idles at least (p − 1)·(F + B), and idle / busy ≥ p·(p − 1)·(F + B) / (p·W). The
+    extrapolation beyond 3p micro-batches (`schedule_step`) keeps the idle time of 2p and scales the
+    busy time, so the bound holds there too (tests/test_planner.py checks it against the simulator)."""
+    c = plan.cfg
+    v = c.virtual_stages if plan.schedule == "interleaved" and c.pp > 1 else 1
+    return (c.pp - 1) / (c.micro_batches * v)
 
 
 def _row(shape: Shape, mem: dict, time: dict) -> dict:
