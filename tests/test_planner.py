@@ -10,7 +10,7 @@ from bench.analysis.estimate import extreme_stages, memory, predict_time
 from bench.analysis.hardware import get_hardware
 from bench.analysis.memory import (_gathered, _zero3_gather_bytes, _zero3_reduction_bytes, _zero12_reduction_bytes,
                                    model_state, precision)
-from bench.analysis.planner import (TIME_IMPL, _PointCosts, _rank_key, _step_floor, _tp_floor, _Validator,
+from bench.analysis.planner import (_PointCosts, _rank_key, _step_floor, _tp_floor, _Validator,
                                     _valid_shapes, bubble_floor, plan, points)
 from bench.analysis.stage_plan import stage_plan
 from bench.schedule import SCHEDULES, schedule_step
@@ -95,9 +95,9 @@ def test_ranking_equals_timing_every_fitting_candidate(model, gpus, batch, engin
     for point, orders, skip in points(model, gpus, batch, seq, "bf16-mixed", 8):
         for shape in [] if skip else _valid_shapes(point, orders, validate, Counter()):
             stages = stage_plan(shape, 8, extreme_stages(shape.pp))
-            mem = memory(stages, "zero", "table2")  # the planner's defaults
+            mem = memory(stages)  # the planner's defaults: the rows' conventions (estimate.conventions)
             if mem["total_bytes"] <= limit:
-                ranked.append((_rank_key(predict_time(stages, hw, "zero", TIME_IMPL)["tokens_per_s"], mem, i), shape))
+                ranked.append((_rank_key(predict_time(stages, hw)["tokens_per_s"], mem, i), shape))
                 i += 1
     assert len(ranked) == result.fitting > top
     best = [shape for _, shape in sorted(ranked, key=lambda r: r[0])[:top]]

@@ -77,7 +77,12 @@ def conventions(cfg, mixed_state: str | None = None, activations: str | None = N
     `bench estimate`, `bench plan` and the rows' `pred_*` columns (so a plan's figures for a config
     are its dry run's and its row's)."""
     acts = activations or DEFAULT_ACTIVATIONS
-    return mixed_state or default_mixed_state(cfg), acts, "suite" if acts == "suite" else "table2"
+    return mixed_state or default_mixed_state(cfg), acts, time_impl(acts)
+
+
+def time_impl(activations: str | None = None) -> str:
+    """The time model's kernels that go with an activation model: this suite's, or Megatron's (Table 2)."""
+    return "suite" if (activations or DEFAULT_ACTIVATIONS) == "suite" else "table2"
 
 
 def extreme_stages(pp: int) -> list[int]:

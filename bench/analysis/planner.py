@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 from bench.analysis.comm import tp_traffic
-from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, link, memory, predict_time
+from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, link, memory, predict_time, time_impl
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
 from bench.analysis.memory import MIXED_STATES
 from bench.analysis.stage_plan import StagePlan, stage_plan
@@ -34,10 +34,6 @@ SHARDINGS = (("native", 0, None), ("native", 1, None), ("deepspeed", 0, None), (
              ("deepspeed", 2, None), ("deepspeed", 3, None), ("fsdp", 0, "grad-op"), ("fsdp", 0, "full"),
              ("fsdp", 0, "hybrid"))
 RECOMPUTE = ("none", "selective", "full")
-TIME_IMPL = "table2"
-"""The time model's implementation the planner ranks with (`bench.analysis.time_model`: Megatron-LM's
-kernels). Its bounds and its timing are given the same one, or a bound could exceed the time it bounds
-(the suite's fused attention computes less)."""
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL = 8
 
@@ -223,8 +219,8 @@ class _PointCosts:
 
 
 def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, global_batch: int,
-         seq: int | None = None, top: int = 5, dtype: str = "bf16-mixed", mixed_state: str = "zero",
-         activations: str = "table2", memory_fraction: float = 0.9, engines: str = "suite") -> Plan:
+         seq: int | None = None, top: int = 5, dtype: str = "bf16-mixed", mixed_state: str | None = None,
+         activations: str | None = None, memory_fraction: float = 0.9, engines: str = "suite") -> Plan:
     """Rank every valid config by predicted tokens/s. A config fits when its per-rank total is at
     most `memory_fraction` of the device memory (the rest: CUDA context, allocator, workspaces).
     `engines`: see ENGINES (with "any", backend names only label the sharding: native = ZeRO 0/1,
@@ -259,7 +255,7 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
                 dropped[f"{out_of_memory}{_largest_part(mem)})"] += 1
                 continue
             fits.append((stages, mem))
-    return Plan([_row(p.cfg, mem, time) for _, p, mem, time in _best(fits, hw, mixed_state, top)], considered,
+    return Plan([_row(p.cfg, mem, time) for _, p, mem, time in _best(fits, hw, mixed_state, time_impl(activations), top)], considered,
                 valid, len(fits), dropped)
 
 
@@ -273,8 +269,10 @@ def _rank_key(tokens_per_s: float, mem: dict, i: int) -> tuple:
     return -round(tokens_per_s, 3), mem["total_bytes"], i
 
 
-def _best(fits: list, hw: Hardware, mixed_state: str, top: int) -> list[tuple]:
-    """The `top` best of the fitting candidates by `_rank_key`, as (key, plan, memory, time), timing only
+def _best(fits: list, hw: Hardware, mixed_state: str | None, impl: str, top: int) -> list[tuple]:
+    """`impl`: the time model's kernels (`time_impl`), given to the bounds and the timing alike, or a bound
+    could exceed the time it bounds (the suite's fused attention computes less than Megatron's kernels).
+    The `top` best of the fitting candidates by `_rank_key`, as (key, plan, memory, time), timing only
     what can reach them. A bound's key is never worse than its candidate's (`_step_floor` is never above
     the step time): candidates are visited best compute bound first, the search stops at the first one
     worse than the top's last, and a candidate is skipped when its bound with the tp collectives is
@@ -284,15 +282,15 @@ def _best(fits: list, hw: Hardware, mixed_state: str, top: int) -> list[tuple]:
         return _rank_key(plan.cfg.tokens_per_step / seconds if seconds > 0 else float("inf"), mem, i)
 
     best: list[tuple] = []
-    floors = [_step_floor(plan, hw, TIME_IMPL) for plan, _ in fits]
+    floors = [_step_floor(plan, hw, impl) for plan, _ in fits]
     for bound, i in sorted((key(i, floors[i]), i) for i in range(len(fits))):
         if len(best) >= top and bound > best[top - 1][0]:
             break
         plan, mem = fits[i]
-        with_tp = _step_floor(plan, hw, TIME_IMPL, _tp_floor(plan, hw, mixed_state)) if len(best) >= top else 0.0
+        with_tp = _step_floor(plan, hw, impl, _tp_floor(plan, hw, mixed_state)) if len(best) >= top else 0.0
         if len(best) >= top and key(i, with_tp) > best[top - 1][0]:
             continue
-        time = predict_time(plan, hw, mixed_state, TIME_IMPL)
+        time = predict_time(plan, hw, mixed_state, impl)
         bisect.insort(best, (_rank_key(time["tokens_per_s"], mem, i), plan, mem, time), key=lambda r: r[0])
         del best[top:]
     return best
