@@ -70,27 +70,6 @@ Backend = Literal[BACKENDS]  # typing expands a tuple inside Literal into its va
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, use_attribute_docstrings=True, extra="forbid")
 
 
-class BatchShape:
-    """Sizes derived from the layout and batch fields; shared by RunConfig and the planner's
-    unvalidated candidates (bench.analysis.estimate.Shape)."""
-
-    @property
-    def model_config(self) -> GPTConfig:
-        return model_config(self.model, self.model_overrides)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch * self.micro_batches * self.dp
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq
-
-
 def _raises_config_error(cls):
     """RunConfig(...) raises ConfigError with one line (the first mistake), not pydantic's report."""
     validated_init = cls.__init__
@@ -107,7 +86,7 @@ def _raises_config_error(cls):
 
 @_raises_config_error
 @dataclass(frozen=True, kw_only=True, config=STRICT)
-class RunConfig(BatchShape):
+class RunConfig:
     model: str = "tiny"
     """model preset (models.PRESETS)"""
     model_overrides: Items = ()
@@ -166,6 +145,24 @@ class RunConfig(BatchShape):
     """wall-clock limit of the run in seconds"""
     profile: bool = False
     """trace one extra, untimed step per rank with torch.profiler (Chrome JSON + op table)"""
+
+    @functools.cached_property
+    def model_config(self) -> GPTConfig:
+        """The preset with its overrides, looked up once per config (the cost model reads it dozens of times
+        per planner candidate)."""
+        return model_config(self.model, self.model_overrides)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.micro_batches * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq
 
     @model_validator(mode="after")
     def _normalized_and_possible(self):

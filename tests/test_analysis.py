@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from bench.analysis.comm import comm_summary, tp_traffic, wire_bytes
-from bench.analysis.estimate import Shape, crosses_nodes, estimate, predict_row
+from bench.analysis.estimate import crosses_nodes, estimate, predict_row
 from bench.analysis.explain import explain, ranges
 from bench.analysis.hardware import PROFILES, get_hardware, parse_quantity, profile_for_device
 from bench.analysis.memory import layer_activation_bytes, model_state_bytes
@@ -44,7 +44,7 @@ def test_ptdp_bubble():
 
 
 def _gpt3(**kw):
-    return Shape(model="gpt3-175b", seq=2048, micro_batch=1, dtype="bf16-mixed", **kw)
+    return RunConfig.unchecked(model="gpt3-175b", seq=2048, micro_batch=1, dtype="bf16-mixed", **kw)
 
 
 def test_ptdp_communication():
@@ -146,9 +146,10 @@ def test_crosses_nodes_matches_layout():
 
 # --- estimate ------------------------------------------------------------------------------------
 def test_estimate_llama70b_on_h100():
-    # a Shape (what Megatron-LM runs: interleaved, sequence parallel, selective recomputation)
-    cfg = Shape(model="llama2-70b", tp=8, pp=8, dp=16, micro_batch=1, micro_batches=64, dtype="bf16-mixed", seq=4096,
-                sequence_parallel=True, recompute="selective", schedule="interleaved", virtual_stages=5)
+    # a planner-style candidate (what Megatron-LM runs: interleaved, sequence parallel, selective recomputation)
+    cfg = RunConfig.unchecked(model="llama2-70b", tp=8, pp=8, dp=16, micro_batch=1, micro_batches=64, dtype="bf16-mixed",
+                              seq=4096, sequence_parallel=True, recompute="selective", schedule="interleaved",
+                              virtual_stages=5)
     est = estimate(cfg, "h100-sxm", 8)
     assert est["fits"] and 0.2 < est["mfu"] < 0.7
     assert est["step_time_s"] == pytest.approx(est["compute_s"] + est["overhead_s"] + est["exposed_comm_s"] +
@@ -315,15 +316,15 @@ def test_plan_validation_caches_agree_with_runconfig(model, gpus, batch):
     """The planner caches each validation layer on the fields it reads; every candidate gets
     RunConfig's own verdict, up to the numbers in the reason (the planner counts reasons without them);
     a rule reading a field the keys miss would fail here."""
-    from dataclasses import replace
-
-    from bench.analysis.planner import RECOMPUTE, SHARDINGS, _reason_class, _Validator, points, run_config_reason
+    from bench.analysis.planner import (RECOMPUTE, SHARDINGS, _candidate, _fields, _reason_class, _Validator, points,
+                                        run_config_reason)
     verdict = lambda reason: reason and _reason_class(reason)  # noqa: E731
     cached, n = _Validator(), 0
     for point, orders, skip in points(model, gpus, batch, PRESETS[model].seq_len, "bf16-mixed", 8):
         for backend, zero, fsdp in [] if skip else SHARDINGS:
             for recompute, order in ((r, o) for r in RECOMPUTE for o in orders):
-                shape = replace(point, backend=backend, zero=zero, fsdp=fsdp, recompute=recompute, order=order)
+                options = {"backend": backend, "zero": zero, "fsdp": fsdp, "recompute": recompute}
+                shape = _candidate(_fields(point), options, order)
                 assert verdict(cached(shape)) == verdict(run_config_reason(shape)), shape
                 n += 1
     assert n > 1000

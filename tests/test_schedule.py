@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from bench.analysis.comm import stage_traffic
-from bench.analysis.estimate import Shape, estimate
+from bench.analysis.estimate import estimate
 from bench.analysis.memory import stage_memory
 from bench.analysis.stage_plan import stage_plan
 from bench.config import RunConfig
@@ -156,8 +156,8 @@ def test_cost_model_in_flight_equals_the_executors_when_m_is_p():
 
 
 def test_cost_model_bubble_is_the_simulated_one():
-    shape = Shape(model="llama2-70b", tp=8, pp=8, dp=4, micro_batches=64, seq=4096, schedule="interleaved",
-                  virtual_stages=5)
+    shape = RunConfig.unchecked(model="llama2-70b", tp=8, pp=8, dp=4, micro_batch=1, micro_batches=64, seq=4096,
+                                dtype="bf16-mixed", schedule="interleaved", virtual_stages=5)
     est = estimate(shape, "h100-sxm", 8)
     assert est["bubble_fraction"] == schedule_step("interleaved", 64, 8, 5).bubble_fraction == 7 / (5 * 64 + 7)
     # the simulated idle/busy ratio times the busiest rank's busy time (bench.analysis.time_model); this
@@ -168,7 +168,8 @@ def test_cost_model_bubble_is_the_simulated_one():
 
 def test_fsdp_hybrid_memory_and_comm_share_one_shard():
     # 2 GPUs per node: HSDP shards over the 2 dp ranks of a node, memory and traffic alike
-    plan = stage_plan(Shape(model="tiny", dp=8, backend="fsdp", fsdp="hybrid", micro_batches=1), gpus_per_node=2)
+    cfg = RunConfig.unchecked(model="tiny", dp=8, backend="fsdp", fsdp="hybrid", micro_batch=1, dtype="bf16-mixed")
+    plan = stage_plan(cfg, gpus_per_node=2)
     assert plan.shard == 2
     sharded = sum(n for _, n in plan.fsdp_groups(0, 2)) / 2
     assert stage_memory(plan, 0)["params_bytes"] == sharded * 2  # bf16 under the zero convention

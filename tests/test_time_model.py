@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.analysis.estimate import Shape, estimate, predict_row
+from bench.analysis.estimate import estimate, predict_row
 from bench.analysis.hardware import get_hardware, load_profiles
 from bench.analysis.time_model import SUITE_OPS, TERMS
 from bench.conventions import dtype_key
@@ -65,8 +65,9 @@ def test_validate_cli_json_and_figure(tmp_path):
 
 # --- the terms --------------------------------------------------------------------------------------
 def test_step_is_the_sum_of_its_terms():
-    shape = Shape(model="llama2-70b", tp=8, pp=8, dp=16, micro_batches=64, seq=4096, schedule="interleaved",
-                  virtual_stages=5, sequence_parallel=True, recompute="selective")
+    shape = RunConfig.unchecked(model="llama2-70b", tp=8, pp=8, dp=16, micro_batch=1, micro_batches=64, seq=4096,
+                                dtype="bf16-mixed", schedule="interleaved", virtual_stages=5, sequence_parallel=True,
+                                recompute="selective")
     est = estimate(shape, "h100-sxm", 8)
     assert est["step_time_s"] == pytest.approx(sum(est[t] for t in TERMS))
     assert all(est[t] >= 0 for t in TERMS) and est["bubble_s"] > 0 and est["comm_exposed_tp_s"] > 0
@@ -75,7 +76,8 @@ def test_step_is_the_sum_of_its_terms():
 def test_zero3_gathers_are_exposed_when_compute_is_short():
     """Prefetched one layer ahead: hidden behind long layers, exposed behind short ones (fewer tokens)."""
     def dp_share(seq):
-        s = Shape(model="llama2-70b", dp=8, backend="fsdp", fsdp="full", micro_batch=1, micro_batches=1, seq=seq)
+        s = RunConfig.unchecked(model="llama2-70b", dp=8, backend="fsdp", fsdp="full", micro_batch=1, seq=seq,
+                                dtype="bf16-mixed")
         est = estimate(s, "h100-sxm", 8)
         return est["comm_exposed_dp_s"] / est["step_time_s"]
     assert dp_share(256) > 2 * dp_share(4096)

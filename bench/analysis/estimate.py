@@ -17,8 +17,7 @@ model reads it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from math import gcd
 
 from bench.analysis.comm import comm_summary
@@ -27,38 +26,15 @@ from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memo
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import step_terms
 from bench.capabilities import engine
-from bench.config import BatchShape
 from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
 
 
-@dataclass(frozen=True)
-class Shape(BatchShape):
-    """A RunConfig-like candidate without validation (the planner validates it through RunConfig)."""
-
-    model: str
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    backend: str = "native"
-    order: str = "tp-pp-dp"
-    zero: int = 0
-    fsdp: str | None = None
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    micro_batch: int = 1
-    micro_batches: int = 1
-    seq: int = 0
-    dtype: str = "bf16-mixed"
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    bucket_mb: float = 25.0
-    model_overrides: tuple = field(default=())
-
-    @cached_property
-    def model_config(self):
-        """RunConfig's, looked up once per candidate (the cost model reads it dozens of times)."""
-        return BatchShape.model_config.fget(self)
+CANDIDATE_FIELDS = ("model", "tp", "pp", "dp", "backend", "order", "zero", "fsdp", "schedule", "virtual_stages",
+                    "micro_batch", "micro_batches", "seq", "dtype", "sequence_parallel", "recompute", "bucket_mb",
+                    "model_overrides")
+"""The RunConfig fields the cost model reads: what a planner candidate or a published run chooses (each
+built with `RunConfig.unchecked`, the rest at their defaults)."""
 
 
 def default_mixed_state(cfg) -> str:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import bisect
 import re
 from collections import Counter
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from bench.analysis.comm import tp_traffic
-from bench.analysis.estimate import Shape, crosses_nodes, extreme_stages, link, memory, predict_time, time_impl
+from bench.analysis.estimate import CANDIDATE_FIELDS, crosses_nodes, extreme_stages, link, memory, predict_time, time_impl
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
 from bench.analysis.memory import MIXED_STATES
 from bench.analysis.stage_plan import StagePlan, stage_plan
@@ -56,13 +56,13 @@ ENGINES = ("suite", "any")
 engine such as Megatron-LM could run (RunConfig's layout and model checks, no backend checks)."""
 
 
-def _structure_key(s: Shape) -> tuple:
+def _structure_key(s: RunConfig) -> tuple:
     """What `structural_reason` reads (model fixed): the layout, the schedule, micro-batches only
     as a multiple of pp."""
     return (s.tp, s.pp, s.virtual_stages, s.schedule, s.sequence_parallel, s.seq, s.micro_batches % s.pp == 0)
 
 
-def _support_facts(s: Shape) -> tuple:
+def _support_facts(s: RunConfig) -> tuple:
     """What `bench.capabilities.unsupported_reason` reads of a point besides the backend options
     (model fixed): the sizes only through the comparisons its rules make."""
     return (s.dtype, s.sequence_parallel, s.schedule, s.tp > 1, s.pp > 1, s.virtual_stages > 1,
@@ -79,31 +79,31 @@ class _Validator:
             raise ValueError(f"engines is {engines!r}; choose one of {', '.join(ENGINES)}")
         self.engines, self.device, self.structures, self.supports = engines, device, {}, {}
 
-    def structure(self, point: Shape) -> str | None:
+    def structure(self, point: RunConfig) -> str | None:
         key = _structure_key(point)
         if key not in self.structures:
             self.structures[key] = structural_reason(point)
         return self.structures[key]
 
-    def support(self, point: Shape, options: dict, facts: tuple) -> str | None:
+    def support(self, point: RunConfig, options: dict, facts: tuple) -> str | None:
         """`options`: the backend, zero, fsdp and recompute fields that complete the point;
         `facts`: `_support_facts(point)`, computed once per point."""
         if self.engines == "any":
             return None
         key = (*options.values(), *facts)
         if key not in self.supports:
-            self.supports[key] = run_config_reason(replace(point, **options), self.device)
+            self.supports[key] = run_config_reason(RunConfig.unchecked(**{**_fields(point), **options}), self.device)
         return self.supports[key]
 
-    def __call__(self, s: Shape) -> str | None:
+    def __call__(self, s: RunConfig) -> str | None:
         options = {k: getattr(s, k) for k in ("backend", "zero", "fsdp", "recompute")}
         return self.structure(s) or self.support(s, options, _support_facts(s))
 
 
-def run_config_reason(s: Shape, device: str = "cuda") -> str | None:
+def run_config_reason(s: RunConfig, device: str = "cuda") -> str | None:
     """RunConfig's whole verdict on a candidate (uncached)."""
     try:
-        RunConfig(**{f.name: getattr(s, f.name) for f in fields(Shape)}, device=device)
+        RunConfig(**_fields(s), device=device)
     except ConfigError as e:
         return str(e)
     return None
@@ -122,7 +122,7 @@ def _sharding_what(backend: str, zero: int, fsdp: str | None) -> str:
 
 
 def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_per_node: int):
-    """Every layout × micro-batch size × schedule × sequence parallel, as a Shape with the default
+    """Every layout × micro-batch size × schedule × sequence parallel, as an unchecked RunConfig with the default
     backend options, with the rank orders worth comparing; (None, (), reason) for a layout whose dp
     does not divide the global batch."""
     m = get_preset(model)
@@ -150,12 +150,12 @@ def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_
                                                    if 1 < v <= MAX_VIRTUAL and m.layers % (pp * v) == 0]
                 for schedule, v in schedules:
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        yield Shape(model=model, tp=tp, pp=pp, dp=dp, schedule=schedule, virtual_stages=v,
-                                    micro_batch=b, micro_batches=mb, seq=seq, dtype=dtype,
-                                    sequence_parallel=sp), orders, None
+                        yield RunConfig.unchecked(model=model, tp=tp, pp=pp, dp=dp, schedule=schedule,
+                                                  virtual_stages=v, micro_batch=b, micro_batches=mb, seq=seq,
+                                                  dtype=dtype, sequence_parallel=sp), orders, None
 
 
-def _valid_shapes(point: Shape, orders: tuple, validate: _Validator, dropped: Counter):
+def _valid_shapes(point: RunConfig, orders: tuple, validate: _Validator, dropped: Counter):
     """The distinct candidates of one point (sharding × recomputation × rank order) that pass validation;
     each refused candidate is counted under its reason. Validity does not depend on the rank order,
     so each answer counts for every order. Candidates the model predicts identically under two backends
@@ -182,14 +182,14 @@ def _valid_shapes(point: Shape, orders: tuple, validate: _Validator, dropped: Co
                 yield _candidate(fields_, options, order)
 
 
-def _candidate(point_fields: dict, options: dict, order: str) -> Shape:
+def _candidate(point_fields: dict, options: dict, order: str) -> RunConfig:
     """The one place candidates are built: a point's fields (`_fields`) with the backend options and the
-    rank order (Shape(**…) is cheaper than dataclasses.replace)."""
-    return Shape(**{**point_fields, **options, "order": order})
+    rank order, an unchecked RunConfig (validity is asked once per point and options: `_Validator`)."""
+    return RunConfig.unchecked(**{**point_fields, **options, "order": order})
 
 
-def _fields(point: Shape) -> dict:
-    return {f.name: getattr(point, f.name) for f in fields(Shape)}
+def _fields(point: RunConfig) -> dict:
+    return {name: getattr(point, name) for name in CANDIDATE_FIELDS}
 
 
 class _PointCosts:
@@ -202,7 +202,7 @@ class _PointCosts:
         self.gpus_per_node, self.mixed_state, self.activations = gpus_per_node, mixed_state, activations
         self.plans, self.memories = {}, {}
 
-    def plan(self, s: Shape) -> StagePlan:
+    def plan(self, s: RunConfig) -> StagePlan:
         key = (s.backend, s.zero, s.fsdp, s.order)
         base = self.plans.get(key)
         if base is None:
@@ -332,8 +332,8 @@ def bubble_floor(plan: StagePlan) -> float:
     return (c.pp - 1) / (c.micro_batches * v)
 
 
-def _row(shape: Shape, mem: dict, time: dict) -> dict:
-    row = {f.name: getattr(shape, f.name) for f in fields(Shape) if f.name != "model_overrides"}
+def _row(shape: RunConfig, mem: dict, time: dict) -> dict:
+    row = {name: getattr(shape, name) for name in CANDIDATE_FIELDS if name != "model_overrides"}
     row["global_batch"] = shape.global_batch
     row.update({k: mem[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
                                      "transient_bytes", "total_bytes")})
@@ -363,7 +363,7 @@ def describe(row: dict) -> str:
 
 # --- the plan as a sweep file (`bench plan --emit-sweep FILE`) -------------------------------------------
 
-SWEEP_FIELDS = tuple(f.name for f in fields(Shape) if f.name not in ("model", "model_overrides"))
+SWEEP_FIELDS = tuple(name for name in CANDIDATE_FIELDS if name not in ("model", "model_overrides"))
 
 
 def plan_device(hardware: str | Hardware) -> str:

@@ -9,10 +9,11 @@ What each kind compares:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench.analysis.estimate import Shape, estimate
+from bench.analysis.estimate import CANDIDATE_FIELDS, estimate
+from bench.config import RunConfig
 
 PUBLISHED = Path(__file__).with_name("published.yaml")
 KINDS = ("time", "state_memory", "activation_memory")
@@ -38,7 +39,11 @@ class Entry:
     hardware: str
     mixed_state: str
     impl: str
-    shape: Shape
+    shape: RunConfig
+
+
+PUBLISHED_RUN = {"dtype": "bf16-mixed", "micro_batch": 1}
+"""What a published run's config means unless it says otherwise: mixed bf16, one sequence per micro-batch."""
 
 
 def _check_keys(found, known, where: str, path) -> None:
@@ -56,7 +61,6 @@ def load_published(path: str | Path = PUBLISHED) -> list[Entry]:
     _check_keys(data, _TOP, "the top level", path)
     defaults, models, techniques = data.get("defaults", {}), data.get("models", {}), data.get("techniques", {})
     _check_keys(defaults, _DEFAULTS, "defaults", path)
-    shape_keys = {f.name for f in fields(Shape)}
     out = []
     for i, raw in enumerate(data.get("entries", [])):
         where = f"entries[{i}]"
@@ -73,9 +77,8 @@ def load_published(path: str | Path = PUBLISHED) -> list[Entry]:
             raise PublishedError(f"{path}: {where}.model {e['model']!r} is not under models:; add it there")
         technique = techniques.get(e.get("technique", ""), {}) if "technique" in e else {}
         config = {**defaults.get("config", {}), **models[e["model"]], **technique, **e.get("config", {})}
-        _check_keys(config, shape_keys, f"the config of {where}", path)
-        shape = Shape(**config)
-        shape = replace(shape, seq=shape.seq or shape.model_config.seq_len)
+        _check_keys(config, CANDIDATE_FIELDS, f"the config of {where}", path)
+        shape = RunConfig.unchecked(**{**PUBLISHED_RUN, **config})
         out.append(Entry(e["name"], e.get("source", ""), e.get("where", ""), e["kind"], float(e["value"]) * UNITS[e["unit"]],
                          e["unit"], e["hardware"], e.get("mixed_state", "zero"), e.get("impl", "table2"), shape))
     return out
