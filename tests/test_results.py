@@ -102,6 +102,7 @@ def test_measured_row_aggregates_ranks_as_declared():
     assert row["loss_first"] == 2.0 and row["loss_last"] == 1.0  # the ranks that computed a loss
     assert row["step_time_s"] == pytest.approx(0.2)  # slowest rank per step, then the median
     assert set(row) <= set(COLUMNS), sorted(set(row) - set(COLUMNS))
+    assert not [k for k in row if k.startswith("pred_")]  # predicted outside the ranks (estimate.with_predictions)
 
 
 def test_no_module_spells_the_comm_columns_or_statuses_by_hand():
