@@ -155,9 +155,8 @@ NO_TORCH = textwrap.dedent("""
 
 def _pure_modules() -> list[str]:
     analysis = sorted(n for n in modules() if n.startswith("bench.analysis."))
-    return ["models", "models.config", "bench.layout", "bench.schedule", "bench.choices", "bench.config", "bench.capabilities",
-            *analysis,
-            "bench.cli.analysis", "bench.cli"]
+    return ["models", "models.config", "bench.conventions", "bench.layout", "bench.schedule", "bench.choices",
+            "bench.config", "bench.capabilities", *analysis, "bench.cli.analysis", "bench.cli"]
 
 
 def _run_without_torch(code: str) -> subprocess.CompletedProcess:
