@@ -8,7 +8,7 @@ import pytest
 
 from bench.analysis.estimate import extreme_stages, memory, predict_time
 from bench.analysis.hardware import get_hardware
-from bench.analysis.memory import (_gathered, _zero3_gather_bytes, _zero3_reduction_bytes, _zero12_reduction_bytes,
+from bench.analysis.memory import (_fsdp_gathered, _zero3_gather_bytes, _zero3_reduction_bytes, _zero12_reduction_bytes,
                                    model_state, precision)
 from bench.analysis.planner import (_PointCosts, _rank_key, _step_floor, _tp_floor, _Validator,
                                     _valid_shapes, bubble_floor, plan, points)
@@ -41,7 +41,7 @@ def test_point_costs_agree_with_the_uncached_plan_and_memory(model, gpus, batch,
     assert n > 300
 
 
-STATE_PARTS = (model_state, _gathered, _zero3_gather_bytes, _zero3_reduction_bytes, _zero12_reduction_bytes)
+STATE_PARTS = (model_state, _fsdp_gathered, _zero3_gather_bytes, _zero3_reduction_bytes, _zero12_reduction_bytes)
 
 
 @pytest.mark.parametrize("model,gpus,batch,engines", PLANS)
