@@ -16,12 +16,15 @@ reason of either (one line naming the field and the fix), so a config that exist
 """
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
+import inspect
 import json
 import typing
 from dataclasses import MISSING, asdict, fields, replace
 from functools import lru_cache
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt
@@ -67,7 +70,9 @@ Size = Annotated[int, Field(ge=1, le=1 << 20)]
 Number = lambda **bounds: Annotated[float, Field(**bounds), WrapValidator(_as_written)]  # noqa: E731
 Items = Annotated[tuple, BeforeValidator(_as_tuple)]
 Backend = Literal[BACKENDS]  # typing expands a tuple inside Literal into its values
-STRICT = ConfigDict(strict=True, allow_inf_nan=False, use_attribute_docstrings=True, extra="forbid")
+STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+"""The field docstrings are read by `_field_docs`, not by pydantic's use_attribute_docstrings (which finds
+the class's source through `inspect`: ~50 ms of every start-up)."""
 
 
 def _raises_config_error(cls):
@@ -233,7 +238,18 @@ LIST_FIELDS = tuple(name for name, info in RunConfig.__pydantic_fields__.items()
 
 def help_text(name: str) -> str:
     """A RunConfig field's help: the docstring under it."""
-    return RunConfig.__pydantic_fields__[name].description
+    return _field_docs()[name]
+
+
+@lru_cache(maxsize=None)
+def _field_docs() -> dict[str, str]:
+    """The docstring under each field of RunConfig's class body, cleaned as pydantic's
+    use_attribute_docstrings would (tests/test_config.py checks them against pydantic's extraction)."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "RunConfig").body
+    return {stmt.target.id: inspect.cleandoc(doc.value.value) for stmt, doc in zip(body, body[1:])
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
 
 
 def annotation(name: str):

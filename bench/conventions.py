@@ -15,8 +15,6 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 # --- precisions ----------------------------------------------------------------------------------
 LOW_PRECISION = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 """The dtype mixed precision runs its matmuls in."""
@@ -145,6 +143,7 @@ def parse_ds_set(entries: tuple | list) -> list[tuple[list[str], Any]]:
         if not key or any(not part for part in path):
             raise DSSetError(f"ds_set entry {entry!r}: key {key!r} has an empty part; use a dotted path "
                              "such as zero_optimization.overlap_comm")
+        import yaml  # only with an entry: a command that sets none (`bench plan`) starts without it (~20 ms)
         try:
             value = yaml.safe_load(text) if text else ""
         except yaml.YAMLError as e:

@@ -60,6 +60,20 @@ class GPTConfig:
         for name, allowed in (("norm", NORMS), ("activation", ACTIVATIONS), ("position", POSITIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name} is {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:
+        """The fields' hash, worked out once: the cost model's caches key on the config (a plan hashes
+        it some 100,000 times)."""
+        return self._hash
+
+    def __getstate__(self) -> dict:
+        """Without the hash: strings hash differently in another process (a spawned rank)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
 
     @property
     def head_dim(self) -> int:

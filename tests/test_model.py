@@ -111,3 +111,21 @@ def test_data_same_global_batch_whatever_the_layout():
     four = RunConfig(dp=4, micro_batch=1, micro_batches=2)
     parts = [mb[0] for r in range(4) for mb in micro_batches(four, 5, r)]
     assert torch.equal(torch.cat(parts), micro_batches(one, 5, 0)[0][0])
+
+
+def test_config_hash_is_its_fields_hash_in_every_process():
+    """GPTConfig keeps its hash (the cost model's caches key on it); a copy or an unpickled config
+    (a spawned rank) hashes and compares as one built from its fields."""
+    import copy
+    import pickle
+    import subprocess
+    import sys
+    from dataclasses import astuple, replace
+    from pathlib import Path
+    cfg = get_preset("llama2-70b")
+    assert hash(cfg) == hash(astuple(cfg)) and hash(replace(cfg, layers=3)) == hash(astuple(replace(cfg, layers=3)))
+    for twin in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg), copy.copy(cfg), replace(cfg)):
+        assert twin == cfg and hash(twin) == hash(cfg) and {twin: 1}[cfg] == 1
+    code = ("import pickle, sys; from dataclasses import astuple; c = pickle.loads(sys.stdin.buffer.read()); "
+            "assert hash(c) == hash(astuple(c)), 'stale hash'")
+    subprocess.run([sys.executable, "-c", code], input=pickle.dumps(cfg), check=True, cwd=Path(__file__).parents[1])

@@ -96,7 +96,7 @@ def precision(dtype: str, mixed_state: str = "zero") -> Precision:
 
 # --- model-state parts, memoised ------------------------------------------------------------------
 STATE_UNREAD = ("micro_batch", "micro_batches", "seq", "schedule", "recompute", "order")
-"""Config fields the model-state parts (`model_state`, `_gathered`, the ZeRO gathers and reductions)
+"""Config fields the model-state parts (`model_state`, `_fsdp_gathered`, the ZeRO gathers and reductions)
 do not read: the batch, sequence, schedule and recomputation shape only the activations, and the rank
 order reaches the state only through the plan's shard (FSDP hybrid)."""
 _PRECISION_FIELDS = attrgetter(*(f.name for f in dataclasses.fields(Precision)))  # a tuple compares faster
@@ -340,7 +340,6 @@ def _released(plan, state: dict) -> float:
     return 0.0
 
 
-@state_memo
 def _gathered(plan, stage: int, prec: Precision) -> tuple[float, float]:
     """Unsharded parameters (and gradients) beside the activations, (at the loss's backward, during a
     block's backward). FSDP2: the root (embeddings, final norm, head) stays gathered from forward
@@ -353,7 +352,14 @@ def _gathered(plan, stage: int, prec: Precision) -> tuple[float, float]:
         resident = _zero3_resident(plan, stage) * prec.param
         return resident, resident
     if layout != "dim0-shards" or plan.sharding != "params":
-        return 0.0, 0.0
+        return 0.0, 0.0  # most candidates: decided before the memo's key is built
+    return _fsdp_gathered(plan, stage, prec)
+
+
+@state_memo
+def _fsdp_gathered(plan, stage: int, prec: Precision) -> tuple[float, float]:
+    """`_gathered` of FSDP2 sharding the parameters."""
+    cfg = plan.cfg
     gather_b = 2 if cfg.dtype != "fp32" else prec.param  # FSDP2 gathers in the mixed-precision dtype
     groups = plan.fsdp_groups(stage, 1)
     root = sum(n for kind, n in groups if kind == "root") * gather_b

@@ -140,8 +140,14 @@ def padded_numel(shape: tuple[int, ...], shards: int) -> int:
 def fsdp_group_sizes(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int,
                      shard: int) -> tuple[tuple[str, int], ...]:
     """(kind, padded element count) of every FSDP2 group of a stage, sharded `shard` ways."""
-    return tuple((kind, sum(padded_numel(s, shard) for _, s, _ in ps))
+    return tuple((kind, _padded_group(tuple(s for _, s, _ in ps), shard))
                  for kind, ps in fsdp_groups(m, tp, pp, virtual_stages, stage))
+
+
+@lru_cache(maxsize=65536)
+def _padded_group(shapes: tuple[tuple[int, ...], ...], shard: int) -> int:
+    """Padded elements of one group of those shapes (cached: every block of a model has the same)."""
+    return sum(padded_numel(s, shard) for s in shapes)
 
 
 # --- DeepSpeed's view of the parameters -----------------------------------------------------------

@@ -23,7 +23,7 @@ from functools import lru_cache
 from bench.analysis.comm import tp_traffic
 from bench.analysis.estimate import CANDIDATE_FIELDS, crosses_nodes, extreme_stages, link, memory, predict_time, time_impl
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
-from bench.analysis.memory import MIXED_STATES
+from bench.analysis.estimate import conventions  # the state convention predict_time resolves (`_tp_floor`)
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import collectives_time, step_time_floor
 from bench.config import ConfigError, RunConfig, check_number, structural_reason
@@ -309,12 +309,13 @@ def _step_floor(plan: StagePlan, hw: Hardware, impl: str, tp_s: float = 0.0) -> 
 def _tp_floor(plan: StagePlan, hw: Hardware, mixed_state: str | None) -> float:
     """The fewest seconds of per-micro-batch tp collectives of any planned rank, from its own tp traffic
     (`comm.tp_traffic`, part of the traffic `time_model.stage_time` puts on the critical path) over the
-    links `predict_time` gives the tp group; under the given state convention, else the fewest of any."""
+    links `predict_time` gives the tp group, under the state convention `predict_time` resolves
+    (`conventions`: the given one, else the backend's own)."""
     cfg, g = plan.cfg, plan.gpus_per_node or hw.gpus_per_node
-    links = {"tp": link(cfg, hw, "tp", g)[:2]}
+    links, state = {"tp": link(cfg, hw, "tp", g)[:2]}, conventions(cfg, mixed_state)[0]
     return min(collectives_time([tr for tr in tp_traffic(plan, stage, state)
                                  if tr.per == "micro-batch" and tr.dim == "tp"], hw, links, cfg.world)
-               for stage in plan.ranks for state in ((mixed_state,) if mixed_state else MIXED_STATES))
+               for stage in plan.ranks)
 
 
 def bubble_floor(plan: StagePlan) -> float:

@@ -34,8 +34,8 @@ class RankPlan:
     layers_in_flight: float  # layer-micro-batches at that peak
     head_in_flight: int  # micro-batches whose logits and loss the last chunk holds (0 if not last)
 
-    @property
-    def layers(self) -> int:
+    @cached_property
+    def layers(self) -> int:  # the cost model reads it per candidate; the cached ranks are shared
         return sum(map(len, self.layer_ids))
 
 
@@ -105,16 +105,27 @@ def rank_plan(mc: GPTConfig, tp: int, pp: int, virtual_stages: int, micro_batche
               fill_when_m_is_p: bool, stage: int) -> RankPlan:
     """One pipeline rank's share (cached: the planner asks for the same ranks under many dp sizes
     and backends)."""
+    chunks, layer_ids, first, last, peaks = _rank_shape(mc.layers, pp, virtual_stages, micro_batches, schedule,
+                                                        fill_when_m_is_p, stage)
+    return RankPlan(stage, chunks, layer_ids, first, last,
+                    rank_params(mc, tp, pp, sum(map(len, layer_ids)), first, last), *peaks)
+
+
+@lru_cache(maxsize=65536)
+def _rank_shape(n_layers: int, pp: int, virtual_stages: int, micro_batches: int, schedule: str,
+                fill_when_m_is_p: bool, stage: int) -> tuple:
+    """(chunks, layer ids, first, last, (in flight, layers in flight, head in flight)) of a rank: the
+    same under every tp size and model width (cached apart from the parameters: the planner's
+    candidates of 4 or 5 tp sizes share each rank's schedule)."""
     p, m, v = pp, micro_batches, virtual_stages
-    parts = partition(mc.layers, p * v)
+    parts = partition(n_layers, p * v)
     chunks = tuple(rank_chunks(stage, p, v))
     layer_ids = tuple(tuple(parts[c]) for c in chunks)
     first, last = 0 in chunks, len(parts) - 1 in chunks
     layers = tuple(len(ids) for ids in layer_ids)
     head = tuple(int(j == v - 1) for j in range(v))
     peak = partial(rank_peak, schedule, m, p, stage, v, fill_when_m_is_p)
-    return RankPlan(stage, chunks, layer_ids, first, last, rank_params(mc, tp, p, sum(layers), first, last),
-                    peak(), peak(layers), peak(head) if last else 0)
+    return chunks, layer_ids, first, last, (peak(), peak(layers), peak(head) if last else 0)
 
 
 def stage_plan(cfg, gpus_per_node: int | None = None, stages=None) -> StagePlan:
