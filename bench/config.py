@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from annotated_types import Ge, Gt
+from annotated_types import Ge, Gt, Le
 from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, WrapValidator, model_validator
 from pydantic.dataclasses import dataclass
 
@@ -298,7 +298,7 @@ def field_reason(name: str, value) -> str | None:
     A number field's None is its default-to-derive (seq, world_size) or not given."""
     if value is None:
         return None
-    return value_reason(name, annotation(name), value) or (fault_reason(value) if name == "fault" else None)
+    return value_reason(name, annotation(name), value)
 
 
 def check_number(name: str, value, integer: bool, bounds: tuple) -> str | None:
@@ -306,7 +306,8 @@ def check_number(name: str, value, integer: bool, bounds: tuple) -> str | None:
     `integer`), or None: the rules and words of RunConfig's number fields, for numbers outside it
     (the planner's memory fraction, hardware files)."""
     low, high, low_open = bounds
-    kind = Annotated[int if integer else float, Field(**{"gt" if low_open else "ge": low, "le": high})]
+    # annotated_types' constraints compare by value, so `_adapter` builds one adapter per distinct rule
+    kind = Annotated[int if integer else float, (Gt if low_open else Ge)(low), Le(high)]
     return value_reason(name, kind, value)
 
 

@@ -197,8 +197,9 @@ def deepspeed_settings(bucket_mb: float, grad_bytes_: int, ds_set: tuple) -> dic
 def check_ds_set(cfg) -> str | None:
     """Why the `ds_set` overrides of `cfg` cannot run, or None (the last of bench.capabilities' checks
     for an engine that takes them)."""
+    generated = deepspeed_sections(cfg)
     try:
-        config = apply_ds_set({**deepspeed_sections(cfg), **DEEPSPEED_RUNTIME}, cfg.ds_set)
+        config = apply_ds_set({**generated, **DEEPSPEED_RUNTIME}, cfg.ds_set)
     except DSSetError as e:
         return f"backend deepspeed: {e}"
     zero = config.get("zero_optimization", {})
@@ -206,7 +207,6 @@ def check_ds_set(cfg) -> str | None:
     if stage != cfg.zero:
         return (f"backend deepspeed: ds_set zero_optimization.stage={stage} contradicts zero={cfg.zero}; "
                 "use --zero to choose the stage (it is a column of the row)")
-    generated = deepspeed_sections(cfg)
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         if config.get(key) != generated[key]:
             return (f"backend deepspeed: ds_set {key} contradicts the run's batch "

@@ -104,8 +104,9 @@ class Trainer(ABC):
 def whole_over_tp(name: str, t: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
     """A native tensor-parallel shard of parameter `name` (or of its gradient) concatenated over the tp
     group along the dimension the model splits it on; a replicated tensor as it is. Collective over tp."""
-    dim, tp = split_dim(name), groups.size("tp")
-    if dim is None or tp == 1:
+    tp = groups.size("tp")
+    dim = split_dim(name) if tp > 1 else None
+    if dim is None:
         return t
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.contiguous(), group=groups.tp)
@@ -115,8 +116,8 @@ def whole_over_tp(name: str, t: torch.Tensor, groups: ProcessGroups) -> torch.Te
 def on_rank0(local: dict, groups: ProcessGroups) -> dict | None:
     """The union, on rank 0, of the dicts of the ranks holding a whole copy of their stage (dp 0, tp 0);
     None elsewhere. Collective over every rank."""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local if groups.coord.dp == 0 and groups.coord.tp == 0 else {})
+    everyone = [None] * dist.get_world_size() if groups.rank == 0 else None
+    dist.gather_object(local if groups.coord.dp == 0 and groups.coord.tp == 0 else {}, everyone, dst=0)
     if groups.rank != 0:
         return None
     return {k: v for part in everyone for k, v in part.items()}

@@ -3,9 +3,8 @@ every mistake reported as one line: `FILE: key.path: problem; fix`.
 
 The models are pydantic v2: its errors locate the bad value by key path (('grid', 'tp', 1) is
 grid.tp[1]), its strict mode refuses '8' for an integer and 1 for a boolean instead of guessing,
-and it is already installed (DeepSpeed depends on it). This module turns its errors into our line;
-pydantic itself is imported only by the modules that define a file's model, so the pure maths
-(`bench plan` with a built-in profile) never loads it.
+and it is already installed (DeepSpeed depends on it; RunConfig is a pydantic dataclass). This module
+turns its errors into our line.
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def run(cfg: RunConfig, trace_dir: str | None = None) -> dict | None:
     keep_freed_memory()  # a Slurm task's rank starts here; a RankPool's already did (bench.spawn)
     with rank_session(cfg.device, cfg.timeout_s) as device:
         with optimizer_faults(cfg.fault), trainer_on_rank(cfg, device) as (trainer, groups):
-            measured = _measure(cfg, trainer, groups, device, trace_dir if cfg.profile else None)
+            measured = _measure(trainer, trace_dir if cfg.profile else None)
         ranks = [None] * groups.layout.world_size
         dist.all_gather_object(ranks, measured)
     if groups.rank != 0:
@@ -162,12 +162,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _measure(cfg: RunConfig, trainer: Trainer, groups: ProcessGroups, device: torch.device,
-             trace_dir: str | None = None) -> RankResult:
+def _measure(trainer: Trainer, trace_dir: str | None = None) -> RankResult:
     """This rank's measurements. Each step's batch is built before its timer starts, only `train` is
     timed, and the loss is read (the step's one host sync) after the timer stops. Instruments that
     would disturb a timed step run on extra, untimed steps: the trainer's own meter (e.g. the pipeline
     bubble), then the communication and host-sync counters."""
+    cfg, groups, device = trainer.ctx.cfg, trainer.ctx.groups, trainer.ctx.device
     train = _with_fault(trainer.train, cfg, groups.rank) if cfg.fault != "none" else trainer.train
     losses, warmup_s = _warm_up(train, trainer, cfg, device)
     timer, mem = StepTimer(device), PeakMemory(device)

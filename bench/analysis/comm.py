@@ -44,7 +44,7 @@ from bench.analysis.params import (
     zero3_padded_sums,
     zero3_prefetch_gathers,
 )
-from bench.capabilities import CAPABILITIES, engine
+from bench.capabilities import engine
 from bench.conventions import wire_bytes
 from bench.results.schema import comm_column, comm_columns, comm_op_column
 
@@ -198,6 +198,7 @@ def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffi
     """DeepSpeed ZeRO-3 (`deepspeed_zero3_split` says which parameters stay whole)."""
     cfg, mb = plan.cfg, plan.cfg.micro_batches
     kept, parted = deepspeed_zero3_split(plan, stage)
+    kept_padded, parted_padded = zero3_padded_sums(plan, stage)
     ds = deepspeed_settings(cfg)
     out = []
     if kept:  # persistent parameters: whole on every rank, re-gathered one by one after the step
@@ -207,14 +208,14 @@ def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffi
         # gathered until the micro-batch ends (max_reuse_distance), so backward gathers nothing again
         gathers = zero3_prefetch_gathers(plan, stage)
         if gathers is None:  # too big to replay: one all-gather per bucket's worth, an approximation
-            total = zero3_padded_sums(plan, stage)[1]
+            total = parted_padded
             k = _buckets(total, ds["stage3_prefetch_bucket_size"])
             gathers = [total / k] * k
         out.append(Traffic("dp", "all_gather", sum(gathers) * param_b / len(gathers), len(gathers) * mb, cfg.dp,
                            "partitioned parameters (prefetched)"))
     # every gradient, persistent or not, is reduce-scattered during each micro-batch's backward
     # through the ipg bucket, which is flushed before a gradient that would overflow it
-    grads = sum(zero3_padded_sums(plan, stage))
+    grads = kept_padded + parted_padded
     per_mb = _greedy_buckets(tuple(plan.param_sizes(stage)[::-1]), ds["reduce_bucket_size"])
     out += [Traffic("dp", "reduce_scatter", grads * grad_b / per_mb, per_mb * mb, cfg.dp, "gradients"),
             # the overflow / gradient-norm check: one fp64 scalar
@@ -343,7 +344,7 @@ def _fsdp_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
     to a multiple of the shard count. Micro-batches before the last skip the gradient sync, so the
     reduce-scatter (and HSDP's all-reduce) runs once per step; the all-gathers: `_fsdp_gathers`."""
     cfg = plan.cfg
-    mode, mb = cfg.fsdp or CAPABILITIES[cfg.backend].fsdp_default, cfg.micro_batches
+    mode, mb = cfg.fsdp, cfg.micro_batches
     if mode == "none":  # FSDP2 replicate: one gradient all-reduce per group
         groups = plan.fsdp_groups(stage, 1)
         total = sum(n for _, n in groups) * grad_b

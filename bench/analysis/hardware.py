@@ -40,7 +40,7 @@ from bench.typed_yaml import FileError, file_error, known_keys, load_yaml
 
 class _Quantity:
     """Annotation of a size or rate: a number, or text with a unit suffix, read by `parse_quantity`
-    when pydantic validates a file (the pydantic hook imports pydantic only then), then checked to be
+    when pydantic validates a file, then checked to be
     finite and in `bounds` (bench.config.check_number: the rules of every number a user gives)."""
 
     def __init__(self, bounds: tuple = (0, 1e30, True)):

@@ -55,7 +55,7 @@ from bench.analysis.params import (
     zero3_prefetch_gathers,
     zero12_padded,
 )
-from bench.capabilities import CAPABILITIES, FSDP_SHARDS, ZERO_SHARDS, engine
+from bench.capabilities import FSDP_SHARDS, ZERO_SHARDS, engine
 from models.config import GPTConfig, block_matmul_weights, block_params, embedding_params
 
 MIXED_STATES = ("zero", "autocast", "megatron")
@@ -163,7 +163,7 @@ def rank_params(m: GPTConfig, tp: int, pp: int, layers: int, first: bool, last: 
 def sharding(cfg, gpus_per_node: int | None = None) -> tuple[str, int]:
     """(what is sharded over dp: none | optimizer | grads | params, over how many ranks)."""
     if engine(cfg).shards_by == "fsdp-mode":
-        mode = cfg.fsdp or CAPABILITIES[cfg.backend].fsdp_default
+        mode = cfg.fsdp
         what = FSDP_SHARDS[mode]
         if what == "none":
             return "none", 1

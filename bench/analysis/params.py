@@ -38,12 +38,6 @@ def _block(m: GPTConfig, i: int, tp: int) -> tuple[Param, ...]:
     return tuple(_locals(block_table(m, i), tp))
 
 
-def block(m: GPTConfig, i: int, tp: int = 1) -> list[Param]:
-    """One transformer block on one of `tp` ranks (Megatron split: qkv, fc1 column-parallel; proj,
-    fc2 row-parallel, as the table declares)."""
-    return list(_block(m, i, tp))
-
-
 def chunk_params(m: GPTConfig, tp: int, first: bool, last: bool, layer_ids: list[int], tied_here: bool,
                  vocab_parallel: bool = True) -> list[Param]:
     """A model chunk: embedding (first), blocks, final norm and head (last). `vocab_parallel`: the

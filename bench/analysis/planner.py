@@ -21,11 +21,12 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from bench.analysis.comm import tp_traffic
-from bench.analysis.estimate import CANDIDATE_FIELDS, crosses_nodes, extreme_stages, link, memory, predict_time, time_impl
+from bench.analysis.estimate import (CANDIDATE_FIELDS, conventions, crosses_nodes, extreme_stages, link, memory,
+                                     predict_time, time_impl)
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
-from bench.analysis.estimate import conventions  # the state convention predict_time resolves (`_tp_floor`)
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import collectives_time, step_time_floor
+from bench.capabilities import ZERO_SHARDS
 from bench.config import ConfigError, RunConfig, check_number, structural_reason
 from models.config import get_preset
 
@@ -115,10 +116,10 @@ def _reason_class(reason: str) -> str:
     return "invalid: " + re.sub(r"\b\d+\b", "N", reason)
 
 
-def _sharding_what(backend: str, zero: int, fsdp: str | None) -> str:
+def _sharding_what(zero: int, fsdp: str | None) -> str:
     if fsdp is not None:  # only an engine sharded by FSDP modes has one
         return {"grad-op": "grads", "full": "params", "hybrid": "hybrid"}[fsdp]
-    return ("none", "optimizer", "grads", "params")[zero]
+    return ZERO_SHARDS[zero]
 
 
 def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_per_node: int):
@@ -167,7 +168,7 @@ def _valid_shapes(point: RunConfig, orders: tuple, validate: _Validator, dropped
         return
     facts, fields_, seen = _support_facts(point), _fields(point), set()
     for backend, zero, fsdp in SHARDINGS:
-        what = _sharding_what(backend, zero, fsdp)
+        what = _sharding_what(zero, fsdp)
         for recompute in RECOMPUTE:
             options = {"backend": backend, "zero": zero, "fsdp": fsdp, "recompute": recompute}
             reason = validate.support(point, options, facts)
@@ -303,7 +304,7 @@ def _step_floor(plan: StagePlan, hw: Hardware, impl: str, tp_s: float = 0.0) -> 
     `bubble_floor` instead of simulated (no schedule is simulated for a candidate that cannot reach the
     top: the simulations were most of the planner's ranking time). The busiest rank's compute and tp
     are at least the compute of the busiest and the fewest tp seconds of any."""
-    return (step_time_floor(plan, hw, impl, bubble=False) + tp_s * (1 - 1e-9)) * (1 + bubble_floor(plan))
+    return (step_time_floor(plan, hw, impl) + tp_s * (1 - 1e-9)) * (1 + bubble_floor(plan))
 
 
 def _tp_floor(plan: StagePlan, hw: Hardware, mixed_state: str | None) -> float:

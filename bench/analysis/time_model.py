@@ -308,16 +308,13 @@ def rank_passes(rank, c: PartCosts) -> tuple[float, float, int]:
     return f, b, ops
 
 
-def step_time_floor(plan, hw: Hardware, impl: str = "table2", bubble: bool = True) -> float:
-    """A lower bound of `step_terms`' step time without its traffic or optimizer: the busiest planned
-    rank's micro-batch compute, and with `bubble` the bubble over it (every other term, the
-    once-a-step upkeep, and the bubble over them only add to it). The planner times a candidate only
-    when this bound could still reach its top; 1e-9 below, so that no rounding can put it above the
-    step time."""
+def step_time_floor(plan, hw: Hardware, impl: str = "table2") -> float:
+    """A lower bound of `step_terms`' step time without its traffic, optimizer or bubble: the busiest
+    planned rank's micro-batch compute (every other term, the once-a-step upkeep and the bubble only add
+    to it). The planner times a candidate only when this bound could still reach its top; 1e-9 below,
+    so that no rounding can put it above the step time."""
     c, m = part_costs(plan.cfg, hw, impl), plan.cfg.micro_batches
-    busiest = max(m * (f + b) for f, b, _ in (rank_passes(rank, c) for rank in plan.ranks.values()))
-    idle = max(0.0, plan.step.bubble_over_ideal) if bubble else 0.0
-    return busiest * (1 + idle) * (1 - 1e-9)
+    return max(m * (f + b) for f, b, _ in (rank_passes(rank, c) for rank in plan.ranks.values())) * (1 - 1e-9)
 
 
 def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_state: str) -> StageTime:

@@ -94,17 +94,14 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
     _print_estimate(est)
 
 
-ANY_ENGINE_FIELDS = ("model", "model_overrides", "tp", "pp", "dp", "order", "backend", "zero", "fsdp", "schedule",
-                     "virtual_stages", "micro_batch", "micro_batches", "seq", "dtype", "sequence_parallel",
-                     "recompute", "bucket_mb")
-"""What --any-engine reads: the layout and the step, not what one backend or device needs."""
 
 
 def _shape_from_options(options: dict):
     """The run's fields with RunConfig's defaults, checked by RunConfig's layout and model rules only."""
     from bench.config import ConfigError, RunConfig, structural_reason
     from models.config import get_preset
-    refuse_unused(options, ANY_ENGINE_FIELDS, "with --any-engine (layout and model checks only); drop it or them")
+    from bench.analysis.estimate import CANDIDATE_FIELDS  # what --any-engine reads: what the cost model reads
+    refuse_unused(options, CANDIDATE_FIELDS, "with --any-engine (layout and model checks only); drop it or them")
     given = given_options(options)
     get_preset(given.get("model", "tiny"))  # unknown preset: the error lists the known ones
     cfg = RunConfig.unchecked(**given)

@@ -1,4 +1,4 @@
-"""Step timer: seconds per step, and their median and p10/p90.
+"""Step timer: the seconds of each step (their median and p10/p90 are the row's: bench.results.rows.step_time_summary).
 
 An accelerator: a pair of events around each step, recorded on the device's current stream. They time the device's
 queue from the first to the last work of the step without stopping the host at either end, so the
@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from bench import device as bench_device
-from bench.results.rows import step_time_summary
 
 
 class StepTimer:
@@ -39,6 +38,3 @@ class StepTimer:
         end.record()
         self._events.append((self._start, end))
         return False
-
-    def summary(self) -> dict[str, float]:
-        return step_time_summary(self.times)

@@ -21,7 +21,7 @@ def add(df: pd.DataFrame, path=DEFAULT_PATH) -> tuple[int, int]:
     Returns (rows added, rows in the history)."""
     from bench.environment import git_sha
     path = Path(path)
-    df = df.copy()  # the loaded frame is built column by column: assign on it warns "highly fragmented"
+    df = df.copy()  # a caller's frame may be fragmented (built column by column): assign on it would warn
     df = df.assign(recorded_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                    recorded_git_sha=git_sha())
     old = read(path) if path.exists() else None

@@ -177,13 +177,12 @@ def to_dataframe(rows: list[dict], source: str = "<rows>") -> "pd.DataFrame":
     """Rows → DataFrame with every column of every row (bench.results.ALWAYS), typed as declared, and checked.
     Columns only some rows have (backend extras, predictions) come after them; undeclared ones load as they are."""
     import pandas as pd
-    df = pd.DataFrame.from_records(rows)
-    for name in ALWAYS:
-        if name not in df.columns:
-            df[name] = None
-    for name in df.columns:
-        df[name] = _typed(df[name], COLUMNS[name].type) if name in COLUMNS else _one_type(df[name])
-    df = df[list(ALWAYS) + sorted(c for c in df.columns if c not in ALWAYS)]
+    raw = pd.DataFrame.from_records(rows)
+    order = list(ALWAYS) + sorted(c for c in raw.columns if c not in ALWAYS)
+    missing = pd.Series([None] * len(raw), index=raw.index, dtype=object)
+    # built in one go: a frame assigned column by column is fragmented, and its users' assign then warns
+    df = pd.DataFrame({name: _typed(raw.get(name, missing), COLUMNS[name].type) if name in COLUMNS
+                       else _one_type(raw[name]) for name in order})
     check(df, source)
     return df.sort_values(["status", "backend", "world_size", "tp", "pp", "dp", "run_id"],
                           key=lambda s: s.astype(str), ignore_index=True)

@@ -54,7 +54,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Va
                       create_model, field_validator, model_validator)
 
 from bench.choices import BACKENDS
-from bench.config import (LIST_FIELDS, ConfigError, RunConfig, annotation, check_number, choices, fault_reason,
+from bench.config import (LIST_FIELDS, MODEL_TYPES, ConfigError, RunConfig, annotation, check_number, choices, fault_reason,
                           field_reason)
 from bench.config import model_config as resolve_model  # `model_config` is pydantic's name for a model's settings
 from bench.results import skipped_row
@@ -151,8 +151,9 @@ def _choice(name: str, choices: tuple) -> AfterValidator:
 
 
 def _no_fault(value):
-    if fault_reason(value):
-        raise mistake(fault_reason(value))
+    reason = fault_reason(value)
+    if reason:
+        raise mistake(reason)
     return value
 
 
@@ -243,7 +244,7 @@ class _ModelBase(BaseModel):
 
 
 ModelBlock = create_model("ModelBlock", __base__=_ModelBase,
-                          **{n: (t, None) for n, t in typing.get_type_hints(GPTConfig).items() if n != "name"})
+                          **{n: (t, None) for n, t in MODEL_TYPES.items() if n != "name"})
 
 
 def _overrides(block: BaseModel, keys) -> tuple:
@@ -255,7 +256,6 @@ def _override(key: str, value) -> str:
     return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
 
 
-MODEL_TYPES = typing.get_type_hints(GPTConfig)
 
 
 def _split_model_axes(data: dict, source: str) -> tuple[dict, dict]:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.distributed import rank_session
-from bench.worker import trainer_on_rank
+from support.parity import each_config
 
 MOVES = {"copy_", "cat", "chunk_cat", "all_gather_copy_in", "split_with_sizes_copy", "_to_copy", "div_", "mul_",
          "mul", "add_", "fill_", "zero_", "linalg_vector_norm"}
@@ -45,15 +44,8 @@ def step_copy_bytes(pool, cfgs: list) -> list[int]:
     return pool.call(_count_on_rank, [c.to_dict() for c in cfgs], timeout_s=600)[0]
 
 
-def _count_on_rank(cfg_dicts: list[dict]) -> list[int]:
-    from bench.config import RunConfig
-    out = []
-    with rank_session("cpu") as device:
-        for c in cfg_dicts:
-            cfg = RunConfig.from_dict(c)
-            with trainer_on_rank(cfg, device) as (trainer, groups):
-                out.append(_count_step(cfg, trainer, groups))
-    return out
+def _count_on_rank(cfg_dicts: list[dict]) -> list[int] | None:
+    return each_config(cfg_dicts, _count_step)
 
 
 def _count_step(cfg, trainer, groups) -> int:

@@ -75,11 +75,17 @@ def applied_gradients(pool, cfgs: list, lr: float = SGD_LR, timeout_s: float = 6
     return out
 
 
-def _applied_on_rank(cfg_dicts: list[dict], lr: float) -> list[dict] | None:
+def each_config(cfg_dicts: list[dict], body, *args) -> list | None:
+    """Rank body of a pool call: `body(cfg, trainer, groups, *args)` for each config on its own trainer,
+    in one rank session; the values on rank 0, None on the others."""
     from bench.config import RunConfig
     with rank_session("cpu"):
-        results = [_with_trainer(RunConfig.from_dict(c), _sgd_step, lr) for c in cfg_dicts]
+        results = [_with_trainer(RunConfig.from_dict(c), body, *args) for c in cfg_dicts]
     return results if results[0] is not None else None
+
+
+def _applied_on_rank(cfg_dicts: list[dict], lr: float) -> list[dict] | None:
+    return each_config(cfg_dicts, _sgd_step, lr)
 
 
 def _sgd_step(cfg, trainer, groups, lr: float) -> dict | None:
@@ -108,10 +114,7 @@ def deepspeed_gradients(pool, cfgs: list, timeout_s: float = 600) -> list[dict]:
 
 
 def _ds_grads_on_rank(cfg_dicts: list[dict]) -> list[dict] | None:
-    from bench.config import RunConfig
-    with rank_session("cpu"):
-        results = [_with_trainer(RunConfig.from_dict(c), _ds_grads_at_step) for c in cfg_dicts]
-    return results if results[0] is not None else None
+    return each_config(cfg_dicts, _ds_grads_at_step)
 
 
 def _ds_grads_at_step(cfg, trainer, groups) -> dict | None:
