@@ -57,6 +57,9 @@ class Capabilities:
     micro_batches_below_pp: bool = True
     """Runs gpipe / 1f1b with fewer micro-batches than stages (torch.distributed.pipelining does not)."""
     sequence_parallel: bool = False
+    cp_comms: tuple[str, ...] = ()
+    """Context-parallel attention algorithms (`--cp-comm`, bench.choices.CP_COMMS), the default first;
+    empty: no context parallel (cp = 1 only)."""
     recompute: tuple[str, ...] = RECOMPUTE
     """Activation recomputation modes (bench.surgery.apply_recompute)."""
     compile: str | None = "torch.compile of each block (bench.surgery.compile_blocks)"
@@ -80,17 +83,17 @@ class Capabilities:
 CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (
     # Megatron-style TP × PP × DP with its own buckets and ZeRO-1 (bench/native).
     # fp16-mixed: bench.loss_scale's dynamic scaler (native, fsdp, ddp).
-    Capabilities("native", zero=(0, 1), sequence_parallel=True, tied_embeddings_need_one=("pp",), dtypes=DTYPES,
+    Capabilities("native", zero=(0, 1), sequence_parallel=True, cp_comms=("ring",), tied_embeddings_need_one=("pp",), dtypes=DTYPES,
                  loss_scaler=True),
     # DeepSpeed: ZeRO 0-3; its PipelineEngine (1F1B, ZeRO ≤ 1); the native TP layers, which shard
     # embedding and head separately; its fp16 section scales the loss.
     Capabilities("deepspeed", zero=ZERO_STAGES, pipeline_zero=(0, 1), pipeline_engine="DeepSpeed's pipeline engine",
-                 schedules=("1f1b",), virtual_stages=False, dtypes=DTYPES, loss_scaler=True,
+                 schedules=("1f1b",), virtual_stages=False, dtypes=DTYPES, loss_scaler=True, cp_comms=("ulysses",),
                  tied_embeddings_need_one=("tp",), ds_set=True, compile=None,
                  no_compile_why="its engine owns the module's forward (ZeRO-3 parameter hooks, the pipeline "
                                 "engine's layers); torch.compile of blocks under it is untested here"),
     # FSDP2 (+ DTensor TP, torch.distributed.pipelining PP).
-    Capabilities("fsdp", micro_batches_below_pp=False, tied_embeddings_need_one=("pp",), fsdp_modes=FSDP_MODES,
+    Capabilities("fsdp", micro_batches_below_pp=False, cp_comms=("ring",), tied_embeddings_need_one=("pp",), fsdp_modes=FSDP_MODES,
                  fsdp_default="full", dtypes=DTYPES, loss_scaler=True),
     # torch DistributedDataParallel: data parallel only.
     Capabilities("ddp", tp=False, pp=False, virtual_stages=False, dtypes=DTYPES, loss_scaler=True),
@@ -241,6 +244,12 @@ def _parallelism(caps: Capabilities, cfg) -> str | None:
         return f"backend {name} has no tensor parallel: needs tp = 1, got tp={cfg.tp}"
     if not caps.pp and cfg.pp > 1:
         return f"backend {name} has no pipeline parallel: needs pp = 1, got pp={cfg.pp}"
+    if cfg.cp > 1 and not caps.cp_comms:
+        return f"backend {name} has no context parallel: needs cp = 1, got cp={cfg.cp} (backends {_who('cp_comms')} have one)"
+    if cfg.cp > 1 and cfg.cp_comm not in caps.cp_comms:
+        others = [b for b, c in CAPABILITIES.items() if cfg.cp_comm in c.cp_comms]
+        return (f"backend {name} runs cp_comm {' and '.join(caps.cp_comms)}, not {cfg.cp_comm}"
+                + (f" (backend {' and '.join(others)} does)" if others else ""))
     if cfg.sequence_parallel and not caps.sequence_parallel:
         return f"backend {name}: sequence_parallel is not supported ({_who('sequence_parallel')} engine only)"
     if cfg.model_config.tie_embeddings:

@@ -32,8 +32,8 @@ from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, Validation
 from pydantic.dataclasses import dataclass
 
 from bench.capabilities import CAPABILITIES, unsupported_reason
-from bench.choices import BACKENDS, DEVICES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES
-from bench.layout import ORDERS
+from bench.choices import BACKENDS, CP_COMMS, DEVICES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES
+from bench.layout import ORDERS, Layout
 from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
 
@@ -100,6 +100,10 @@ class RunConfig:
     """training backend"""
     tp: Ranks = 1
     """tensor-parallel size"""
+    cp: Ranks = 1
+    """context-parallel size: the sequence split over cp ranks (zig-zag chunks), attention by cp_comm"""
+    cp_comm: Literal[CP_COMMS] | None = None
+    """context-parallel attention: ring (K/V passed round the cp group) or ulysses (all-to-all of heads); default: the backend's"""
     pp: Ranks = 1
     """pipeline-parallel size (stages)"""
     dp: Ranks = 1
@@ -159,7 +163,11 @@ class RunConfig:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp, order=self.order, cp=self.cp)
 
     @property
     def global_batch(self) -> int:
@@ -411,6 +419,10 @@ def _normalize(cfg: RunConfig) -> None:
         object.__setattr__(cfg, "fsdp", CAPABILITIES[cfg.backend].fsdp_default)
     if cfg.seq is None:
         object.__setattr__(cfg, "seq", cfg.model_config.seq_len)
+    if cfg.cp == 1:  # no sequence to split: cp_comm means nothing, and cp = 1 run ids stay as they were
+        object.__setattr__(cfg, "cp_comm", None)
+    elif cfg.cp_comm is None and cfg.backend in CAPABILITIES:
+        object.__setattr__(cfg, "cp_comm", (CAPABILITIES[cfg.backend].cp_comms or (None,))[0])
 
 
 def _validate(cfg: RunConfig) -> None:
@@ -423,8 +435,14 @@ def _validate(cfg: RunConfig) -> None:
 
 def _world_size_reason(cfg: RunConfig) -> str | None:
     if cfg.world_size is not None and cfg.world != cfg.world_size:
-        return f"tp ({cfg.tp}) × pp ({cfg.pp}) × dp ({cfg.dp}) = {cfg.world}, but world_size is {cfg.world_size}"
+        return f"{layout_product(cfg)} = {cfg.world}, but world_size is {cfg.world_size}"
     return None
+
+
+def layout_product(cfg) -> str:
+    """'tp (2) × pp (2) × dp (2)', with cp named only when it is used."""
+    dims = ("tp", "cp", "pp", "dp") if cfg.cp > 1 else ("tp", "pp", "dp")
+    return " × ".join(f"{d} ({getattr(cfg, d)})" for d in dims)
 
 
 # Test-only faults: name → whether it takes a number (`sleep:400`). See bench.worker for what each does.
@@ -471,7 +489,7 @@ def structural_reason(shape) -> str | None:
 
     Reads only the layout and batch fields, so the planner's unvalidated candidates use it too; the
     second layer, what one backend supports, is bench.capabilities.unsupported_reason."""
-    return _model_fit_reason(shape) or _pipeline_reason(shape)
+    return _model_fit_reason(shape) or _context_reason(shape) or _pipeline_reason(shape)
 
 
 def _model_fit_reason(cfg) -> str | None:
@@ -487,6 +505,24 @@ def _model_fit_reason(cfg) -> str | None:
         return "sequence_parallel needs tp > 1 (it shards along the sequence within a tp group)"
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
         return f"sequence_parallel needs seq ({cfg.seq}) divisible by tp ({cfg.tp})"
+    return None
+
+
+def _context_reason(cfg) -> str | None:
+    if cfg.cp == 1:
+        return None
+    if cfg.seq % (2 * cfg.cp):
+        return (f"cp ({cfg.cp}) needs seq ({cfg.seq}) divisible by 2 × cp = {2 * cfg.cp} "
+                "(each rank holds two equal chunks, zig-zag); pick seq or cp to fit")
+    if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
+        return (f"sequence_parallel with cp ({cfg.cp}) needs seq / cp ({cfg.seq // cfg.cp}) divisible by "
+                f"tp ({cfg.tp})")
+    m = cfg.model_config
+    if cfg.cp_comm == "ulysses":  # all-to-all trades a rank's sequence chunk for cp-th of its heads
+        for what, heads in (("heads", m.heads), ("kv_heads", m.num_kv_heads)):
+            if heads % (cfg.tp * cfg.cp):
+                return (f"cp_comm ulysses needs model {what} ({heads}) divisible by tp × cp = {cfg.tp * cfg.cp}; "
+                        "pick a smaller cp or cp_comm ring")
     return None
 
 

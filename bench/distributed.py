@@ -124,23 +124,30 @@ class ProcessGroups:
     layout: Layout
     rank: int
     tp: dist.ProcessGroup
+    cp: dist.ProcessGroup
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
+    dp_cp: dist.ProcessGroup
+    """The ranks a gradient is reduced over: dp × cp (each cp rank saw a share of the same sequences,
+    as Megatron's data-parallel group with cp); the dp group itself at cp = 1."""
     ranks: dict[str, list[int]] = field(default_factory=dict)
-    """Global ranks of this rank's tp, pp and dp groups."""
+    """Global ranks of this rank's tp, cp, pp, dp and dp_cp groups."""
 
     @classmethod
     def build(cls, layout: Layout) -> "ProcessGroups":
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != layout.world_size:
-            raise RuntimeError(f"tp ({layout.tp}) × pp ({layout.pp}) × dp ({layout.dp}) = {layout.world_size}, "
-                               f"but {world} processes were started")
+            dims = " × ".join(f"{d} ({getattr(layout, d)})" for d in DIMS if d != "cp" or layout.cp > 1)
+            raise RuntimeError(f"{dims} = {layout.world_size}, but {world} processes were started")
         mine, ranks = {}, {}
-        for dim in DIMS:  # every rank creates every group, in the same order (new_group is collective)
-            for group in layout.groups(dim):
+        wanted = {dim: (dim,) for dim in DIMS} | ({"dp_cp": ("dp", "cp")} if layout.cp > 1 else {})
+        for name, dims in wanted.items():  # every rank creates every group, in the same order (collective)
+            for group in layout.groups(*dims):
                 pg = dist.new_group(group)
                 if rank in group:
-                    mine[dim], ranks[dim] = pg, group
+                    mine[name], ranks[name] = pg, group
+        mine.setdefault("dp_cp", mine["dp"])
+        ranks.setdefault("dp_cp", ranks["dp"])
         return cls(layout=layout, rank=rank, ranks=ranks, **mine)
 
     @property
@@ -151,11 +158,14 @@ class ProcessGroups:
         return getattr(self.layout, dim)
 
     def dim_of(self, group_ranks: tuple[int, ...] | list[int]) -> str:
-        """Name a group by its ranks: tp, pp, dp (or a sub-group of one), world, or other."""
+        """Name a group by its ranks: tp, cp, pp, dp (or a sub-group of one), world, or other. The
+        gradient reduction over dp × cp counts as dp: it is the data-parallel traffic."""
         key = sorted(group_ranks)
         for dim in DIMS:
             if len(key) > 1 and key == self.ranks[dim]:
                 return dim
+        if len(key) > 1 and key == self.ranks["dp_cp"]:
+            return "dp"
         if key == list(range(self.layout.world_size)):
             return "world"
         for dim in DIMS:  # a sub-group of one dim's group (HSDP's replicate/shard groups split dp)

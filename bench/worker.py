@@ -25,7 +25,6 @@ from bench.backends.registry import get_backend
 from bench.config import RunConfig, parse_fault
 from bench import device as bench_device
 from bench.distributed import ProcessGroups, rank_session
-from bench.layout import Layout
 from bench.metrics.comm import CommCounter
 from bench.metrics.flops import peak_flops
 from bench.metrics.memory import PeakMemory, state_bytes
@@ -74,7 +73,7 @@ def trainer_on_rank(cfg: RunConfig, device: torch.device) -> Iterator[tuple[Trai
     the default group `setup_rank` made), by its backend's `build`; closed on leaving. The worker, the
     parity harness, the tests and the benchmarks all enter it."""
     torch.manual_seed(cfg.seed)
-    groups = ProcessGroups.build(Layout(cfg.tp, cfg.pp, cfg.dp, cfg.order))
+    groups = ProcessGroups.build(cfg.layout)
     trainer = get_backend(cfg.backend).build(RunContext(cfg, groups, device))
     try:
         yield trainer, groups

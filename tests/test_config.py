@@ -100,3 +100,31 @@ def test_unchecked_builds_the_same_config_without_a_check():
     assert RunConfig.unchecked(backend="fsdp", dp=2, micro_batches=2) == cfg  # derived defaults filled (fsdp, seq)
     impossible = RunConfig.unchecked(tp=3)  # no check: the planner's candidates check themselves
     assert impossible.tp == 3 and impossible.world == 3
+
+
+def test_context_parallel_fields():
+    cfg = RunConfig(cp=2, dp=2, model="tiny")
+    assert cfg.world == 4 and cfg.cp_comm == "ring" and cfg.global_batch == cfg.micro_batch * 2
+    assert RunConfig(cp=2, backend="deepspeed").cp_comm == "ulysses"  # each backend's own algorithm
+    assert RunConfig(cp=1, cp_comm="ulysses").cp_comm is None  # nothing to split at cp 1
+    assert RunConfig(cp=1, cp_comm="ring").run_id == RunConfig().run_id
+    assert "cp" not in RunConfig(dp=2).canonical() and RunConfig(cp=2).canonical()["cp"] == 2
+    assert cfg.layout.groups("cp") == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"cp": 3, "seq": 32}, r"cp \(3\) needs seq \(32\) divisible by 2 × cp = 6"),
+    ({"cp": 2, "world_size": 4}, r"tp \(1\) × cp \(2\) × pp \(1\) × dp \(1\) = 2, but world_size is 4"),
+    ({"cp": 2, "backend": "ddp"}, r"backend ddp has no context parallel: needs cp = 1"),
+    ({"cp": 2, "cp_comm": "ulysses"}, r"backend native runs cp_comm ring, not ulysses \(backend deepspeed does\)"),
+    ({"cp": 2, "backend": "deepspeed", "cp_comm": "ring"}, r"backend deepspeed runs cp_comm ulysses, not ring"),
+])
+def test_context_parallel_refusals(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**fields)
+
+
+def test_ulysses_needs_heads_divisible():
+    assert RunConfig().model_config.heads == 4  # tiny: 4 heads, so cp 8 leaves half a head per rank
+    with pytest.raises(ConfigError, match=r"cp_comm ulysses needs model heads \(4\) divisible by tp × cp = 8"):
+        RunConfig(backend="deepspeed", cp=8, seq=32)

@@ -64,3 +64,36 @@ def test_bad_layout_messages():
         Layout(order="dp-tp-pp")
     with pytest.raises(ValueError, match="outside world size"):
         Layout(tp=2).coords(2)
+
+
+def test_context_parallel_sits_next_to_tp():
+    # Megatron's tp-cp-dp-pp: 16 GPUs, tp 2, cp 2, dp 2, pp 2 (the three-name order places cp after tp)
+    lay = Layout(tp=2, cp=2, dp=2, pp=2, order="tp-cp-dp-pp")
+    assert lay.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert lay.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert lay.groups("pp")[0] == [0, 8]
+    assert lay.groups("dp", "cp")[0] == [0, 2, 4, 6]  # the gradient's reduction group
+    assert lay.coords(6) == Coord(dp=1, pp=0, tp=0, cp=1)
+    assert Layout(tp=2, cp=2, dp=2, pp=2, order="tp-dp-pp").groups("cp") == lay.groups("cp")
+    assert Layout(tp=2, cp=2, dp=2, pp=2).groups("pp")[0] == [0, 4]  # tp-pp-dp = tp-cp-pp-dp
+
+
+@pytest.mark.parametrize("order", ["tp-pp-dp", "tp-dp-pp"])
+def test_cp_1_keeps_every_rank(order):
+    for named in (order, order.replace("tp-", "tp-cp-")):
+        lay, old = Layout(tp=2, pp=3, dp=2, order=named), Layout(tp=2, pp=3, dp=2, order=order)
+        assert [lay.coords(r) for r in range(12)] == [old.coords(r) for r in range(12)]
+        assert all(len(g) == 1 for g in lay.groups("cp"))
+        assert lay.groups("dp", "cp") == lay.groups("dp")
+
+
+@pytest.mark.parametrize("order", ["tp-cp-pp-dp", "tp-cp-dp-pp"])
+def test_partition_invariants_with_cp(order):
+    lay = Layout(tp=2, cp=4, pp=3, dp=2, order=order)
+    for dims in (("tp",), ("cp",), ("pp",), ("dp",), ("dp", "cp")):
+        groups = lay.groups(*dims)
+        assert sorted(itertools.chain(*groups)) == list(range(48))
+        assert all(len(g) == 48 // len(groups) for g in groups)
+    for r in range(48):
+        assert lay.rank(**lay.coords(r)._asdict()) == r
+        assert r in lay.group_of(r, "cp") and len(lay.group_of(r, "cp")) == 4

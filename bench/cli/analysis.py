@@ -44,13 +44,12 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
     if not options["model"]:
         refuse_unused(options, LAYOUT_FIELDS, "without --model (the layout alone is explained); add --model")
     from bench.layout import Layout
-    lay = Layout(_given(options, "tp", 1), _given(options, "pp", 1), _given(options, "dp", 1),
-                 _given(options, "order", "tp-pp-dp"), gpus_per_node)
+    lay = Layout(tp=_given(options, "tp", 1), pp=_given(options, "pp", 1), dp=_given(options, "dp", 1),
+                 order=_given(options, "order", "tp-pp-dp"), cp=_given(options, "cp", 1), gpus_per_node=gpus_per_node)
     world = options.get("world_size")
     if world is not None and world != lay.world_size:
-        from bench.config import ConfigError  # a typo in the layout, not a layout to explain
-        raise ConfigError(f"tp ({lay.tp}) × pp ({lay.pp}) × dp ({lay.dp}) = {lay.world_size}, "
-                          f"but --world-size is {world}")
+        from bench.config import ConfigError, layout_product  # a typo in the layout, not a layout to explain
+        raise ConfigError(f"{layout_product(lay)} = {lay.world_size}, but --world-size is {world}")
     cfg = None
     if options["model"]:
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
