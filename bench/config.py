@@ -145,7 +145,7 @@ class RunConfig:
     ds_set: Items = ()
     """DeepSpeed config override KEY=VALUE with a dotted key (repeatable)"""
     world_size: Ranks | None = None
-    """expected world size; must equal tp × pp × dp when given"""
+    """expected world size; must equal tp × cp × pp × dp when given"""
     repeat: Annotated[int, Field(ge=0, le=10_000)] = 0
     """repeat index of the same config (noise estimation)"""
     fault: str = "none"
