@@ -2,6 +2,7 @@
 
 The global batch of a step is a pure function of (seed, step, shape): the same whatever the layout.
 Data-parallel rank r takes the r-th contiguous slice; the slice is then cut into micro-batches.
+Under context parallel each cp rank keeps its zig-zag share of every sequence (`zigzag_positions`).
 Tokens follow a noisy affine recurrence, so the loss falls as the model learns it.
 """
 from __future__ import annotations
@@ -21,10 +22,22 @@ def global_batch(seed: int, step: int, batch: int, seq: int, vocab: int) -> tupl
     return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
-def micro_batches(cfg, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This data-parallel rank's micro-batches of `step`: micro_batches × (micro_batch, seq)."""
+def micro_batches(cfg, step: int, dp_rank: int, cp_rank: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of `step`: micro_batches × (micro_batch, seq / cp)."""
     x, y = global_batch(cfg.seed, step, cfg.global_batch, cfg.seq, cfg.model_config.vocab)
     per_rank = cfg.micro_batch * cfg.micro_batches
     lo = dp_rank * per_rank
     x, y = x[lo:lo + per_rank], y[lo:lo + per_rank]
+    if cfg.cp > 1:
+        share = zigzag_positions(cp_rank, cfg.cp, cfg.seq)
+        x, y = x[:, share], y[:, share]
     return list(zip(x.split(cfg.micro_batch), y.split(cfg.micro_batch)))
+
+
+def zigzag_positions(cp_rank: int, cp: int, seq: int) -> torch.Tensor:
+    """Global token positions of cp rank r: chunks r and 2·cp − 1 − r of 2·cp equal chunks, so that under
+    a causal mask every rank has the same attention work (an early chunk with few keys, a late one with
+    many). Megatron-LM and torchtitan's load-balanced ("head-tail") sharding."""
+    c = seq // (2 * cp)
+    first, second = cp_rank * c, (2 * cp - 1 - cp_rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])

@@ -60,8 +60,8 @@ class Trainer(ABC):
     ctx: RunContext
 
     def batch(self, step: int) -> Batch:
-        cfg, device = self.ctx.cfg, self.ctx.device
-        return [(x.to(device), y.to(device)) for x, y in micro_batches(cfg, step, self.ctx.groups.coord.dp)]
+        cfg, device, coord = self.ctx.cfg, self.ctx.device, self.ctx.groups.coord
+        return [(x.to(device), y.to(device)) for x, y in micro_batches(cfg, step, coord.dp, coord.cp)]
 
     @abstractmethod
     def train(self, batch: Batch) -> torch.Tensor | None: ...

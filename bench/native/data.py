@@ -11,6 +11,8 @@ Sequence parallel: replicated parameters that act on sequence-sharded activation
 position table, row-parallel biases) get partial gradients on each tp rank. They form one extra
 bucket, reduced at `finish()`: first one all-reduce over tp (the sum over sequence chunks,
 4·N_sp bytes), then over dp like any bucket.
+
+Context parallel: every bucket reduces over dp × cp (`ProcessGroups.dp_cp`), and ZeRO-1 shards over it.
 """
 from __future__ import annotations
 
@@ -25,14 +27,15 @@ from bench.native.tensor import sequence_parallel_params
 class DataParallel:
     def __init__(self, chunks: list[nn.Module], run_cfg, groups):
         self.micro_batches, self.tp_group = run_cfg.micro_batches, groups.tp
-        dp, dp_rank = groups.size("dp"), groups.coord.dp
+        # dp × cp: each cp rank's gradient is the one of its share of the same sequences
+        dp, dp_rank = len(groups.ranks["dp_cp"]), groups.ranks["dp_cp"].index(groups.rank)
         params = _unique([p for chunk in reversed(chunks) for p in reversed(list(chunk.parameters()))])
         sp_ids = set()
         if run_cfg.sequence_parallel:
             sp_ids = {id(p) for chunk in chunks for _, p in sequence_parallel_params(chunk)}
         hooked = [p for p in params if id(p) not in sp_ids]
         cap = run_cfg.bucket_mb * 2**20
-        make = lambda ps: Bucket(ps, groups.dp, dp, dp_rank, run_cfg.zero)  # noqa: E731
+        make = lambda ps: Bucket(ps, groups.dp_cp, dp, dp_rank, run_cfg.zero)  # noqa: E731
         self.buckets = [make(ps) for ps in split_into_buckets(hooked, cap)]
         sp_params = [p for p in params if id(p) in sp_ids]
         self.sp_bucket = make(sp_params) if sp_params else None

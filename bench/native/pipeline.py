@@ -102,7 +102,7 @@ class Pipeline:
         self.order = schedule(run_cfg.schedule, run_cfg.micro_batches, self.p, self.r, self.v)
         self.sids = rank_chunks(self.r, self.p, self.v)
         self.meter = meter or BubbleMeter(device)
-        seq = run_cfg.seq // (groups.size("tp") if run_cfg.sequence_parallel else 1)
+        seq = run_cfg.seq // run_cfg.cp // (groups.size("tp") if run_cfg.sequence_parallel else 1)
         self.act_shape = (run_cfg.micro_batch, seq, run_cfg.model_config.hidden)
         self.act_dtype = autocast_dtype or torch.float32
         # Post the next action's receive before this action's compute, on every device: each receive
@@ -113,12 +113,13 @@ class Pipeline:
         # test-only (fault stage_sleep:MS): every compute section also sleeps, so stage compute dominates
         self.stage_sleep_s = (parse_fault(run_cfg.fault).get("stage_sleep") or 0.0) / 1e3
         self.loss_scale = 1.0  # fp16-mixed: the trainer's dynamic loss scale (bench.loss_scale)
-        self.dp = groups.size("dp")
+        self.dp = groups.size("dp") * groups.size("cp")
 
     @property
     def grad_scale(self) -> float:
-        """What backward multiplies every gradient by: the loss scale (fp16-mixed), and 1/dp, so that the
-        data-parallel sum of the gradients is their mean with no division after it."""
+        """What backward multiplies every gradient by: the loss scale (fp16-mixed), and 1/(dp·cp), so that
+        the sum of the gradients over dp × cp (each cp rank's loss is the mean of an equal share of the
+        tokens) is the whole batch's mean with no division after it."""
         return self.loss_scale / self.dp
 
     def _test_delay(self) -> None:
