@@ -2,7 +2,7 @@
 
 The global batch of a step is a pure function of (seed, step, shape): the same whatever the layout.
 Data-parallel rank r takes the r-th contiguous slice; the slice is then cut into micro-batches.
-Under context parallel each cp rank keeps its zig-zag share of every sequence (`zigzag_positions`).
+Under context parallel each cp rank keeps its share of every sequence (`sequence_share`).
 Tokens follow a noisy affine recurrence, so the loss falls as the model learns it.
 """
 from __future__ import annotations
@@ -29,9 +29,19 @@ def micro_batches(cfg, step: int, dp_rank: int, cp_rank: int = 0) -> list[tuple[
     lo = dp_rank * per_rank
     x, y = x[lo:lo + per_rank], y[lo:lo + per_rank]
     if cfg.cp > 1:
-        share = zigzag_positions(cp_rank, cfg.cp, cfg.seq)
+        share = sequence_share(cfg, cp_rank)
         x, y = x[:, share], y[:, share]
     return list(zip(x.split(cfg.micro_batch), y.split(cfg.micro_batch)))
+
+
+def sequence_share(cfg, cp_rank: int) -> torch.Tensor:
+    """The global positions cp rank `cp_rank` holds: its zig-zag pair of chunks for ring attention, the
+    r-th contiguous chunk for Ulysses (whose all-to-all hands every rank the whole sequence for its heads,
+    so the causal work is balanced whatever the chunks, and the gathered sequence stays in order)."""
+    if cfg.cp_comm == "ulysses":
+        n = cfg.seq // cfg.cp
+        return torch.arange(cp_rank * n, (cp_rank + 1) * n)
+    return zigzag_positions(cp_rank, cfg.cp, cfg.seq)
 
 
 def zigzag_positions(cp_rank: int, cp: int, seq: int) -> torch.Tensor:
