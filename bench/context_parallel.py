@@ -84,13 +84,15 @@ def _unflat(buffer: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, tor
     return tuple(part.view_as(like) for part in buffer.split(like.numel()))
 
 
-def _half_blocks(positions: torch.Tensor, key_positions: torch.Tensor, chunk: int):
-    """(query chunk, key chunk, mask) of every half block with a visible key; mask None = all visible."""
-    for a, pq in enumerate(positions.split(chunk)):
-        for b, pk in enumerate(key_positions.split(chunk)):
+def _half_blocks(rank: int, source: int, cp: int, chunk: int, device):
+    """(query chunk, key chunk, mask on `device`) of every half block of cp rank `rank`'s queries against
+    cp rank `source`'s keys that has a visible key; mask None = all visible. Decided on the host: no sync."""
+    seq = 2 * chunk * cp
+    for a, pq in enumerate(zigzag_positions(rank, cp, seq).split(chunk)):
+        for b, pk in enumerate(zigzag_positions(source, cp, seq).split(chunk)):
             visible = pq[:, None] >= pk[None, :]  # causal, from the global positions
             if visible.any():
-                yield a, b, None if visible.all() else visible
+                yield a, b, None if visible.all() else visible.to(device)
 
 
 class RingAttention(torch.autograd.Function):
@@ -101,17 +103,15 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group):
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        chunk, math = q.shape[2] // 2, torch.promote_types(q.dtype, torch.float32)
-        positions = zigzag_positions(rank, cp, 2 * chunk * cp)
-        qs, scale = _query_chunks(q, k.shape[1], math), q.shape[-1] ** -0.5
+        rank, cp, chunk, acc = _ring_shape(q, group)
+        check_divisible(q.shape[2] * cp, cp)  # two equal chunks per rank
+        qs, scale = _query_chunks(q, k.shape[1], acc), q.shape[-1] ** -0.5
         out, lse = [None, None], [None, None]
         kv = _flat(k, v)
         for step in range(cp):
             requests, received = _ring_pass([kv], group) if step < cp - 1 else ([], None)  # prefetch
-            kk, vv = (x.to(math) for x in _unflat(kv, k))
-            for a, b, mask in _half_blocks(positions, zigzag_positions((rank - step) % cp, cp, len(positions) * cp),
-                                           chunk):
+            kk, vv = (x.to(acc) for x in _unflat(kv, k))
+            for a, b, mask in _half_blocks(rank, (rank - step) % cp, cp, chunk, q.device):
                 s = _scores(qs[a], _chunk(kk, b, chunk), scale, mask)
                 block_lse = torch.logsumexp(s, -1, keepdim=True)
                 block_out = torch.exp(s - block_lse) @ _chunk(vv, b, chunk)
@@ -133,21 +133,18 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dy):
         q, k, v, y, lse = ctx.saved_tensors
         group = ctx.group
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        chunk, math = q.shape[2] // 2, torch.promote_types(q.dtype, torch.float32)
-        positions = zigzag_positions(rank, cp, 2 * chunk * cp)
+        rank, cp, chunk, acc = _ring_shape(q, group)
         nkv, scale = k.shape[1], q.shape[-1] ** -0.5
-        qs, dys = _query_chunks(q, nkv, math), _query_chunks(dy, nkv, math)
+        qs, dys = _query_chunks(q, nkv, acc), _query_chunks(dy, nkv, acc)
         # rowsum(dO ∘ O) per query row: the softmax's backward without the probabilities' s² tensor
-        delta = [(d * o).sum(-1, keepdim=True) for d, o in zip(dys, _query_chunks(y, nkv, math))]
+        delta = [(d * o).sum(-1, keepdim=True) for d, o in zip(dys, _query_chunks(y, nkv, acc))]
         lses = lse.split(lse.shape[2] // 2, dim=2)
         dq = [torch.zeros_like(x) for x in qs]
-        kv, dkv = _flat(k, v), torch.zeros(2 * k.numel(), dtype=math, device=k.device)
+        kv, dkv = _flat(k, v), torch.zeros(2 * k.numel(), dtype=acc, device=k.device)
         for step in range(cp):
-            kk, vv = (x.to(math) for x in _unflat(kv, k))
+            kk, vv = (x.to(acc) for x in _unflat(kv, k))
             dk, dv = _unflat(dkv, k)
-            for a, b, mask in _half_blocks(positions, zigzag_positions((rank - step) % cp, cp, len(positions) * cp),
-                                           chunk):
+            for a, b, mask in _half_blocks(rank, (rank - step) % cp, cp, chunk, q.device):
                 kb, vb = _chunk(kk, b, chunk), _chunk(vv, b, chunk)
                 p = torch.exp(_scores(qs[a], kb, scale, mask) - lses[a])  # masked scores are −inf: p = 0
                 ds = p * (dys[a] @ vb.transpose(-2, -1) - delta[a])
@@ -161,6 +158,11 @@ class RingAttention(torch.autograd.Function):
             _wait(requests)
         dk, dv = (x.to(k.dtype) for x in _unflat(dkv, k))
         return _heads_out(dq, q.shape).to(q.dtype), dk, dv, None
+
+
+def _ring_shape(q: torch.Tensor, group) -> tuple[int, int, int, torch.dtype]:
+    """(cp rank, cp, tokens per chunk, the dtype blocks are computed and merged in: fp32 or fp64)."""
+    return dist.get_rank(group), dist.get_world_size(group), q.shape[2] // 2, torch.promote_types(q.dtype, torch.float32)
 
 
 def _query_chunks(x: torch.Tensor, nkv: int, dtype) -> list[torch.Tensor]:
@@ -223,7 +225,8 @@ def use_ring_attention(module: nn.Module, group) -> nn.Module:
 
 def set_positions(module: nn.Module, positions: torch.Tensor | None) -> nn.Module:
     """Give every Embedding (learned positions) and Attention (rotary) of `module` the global token ids
-    of the tokens it holds (`zigzag_positions`); None = 0 … T − 1, the single-process model."""
+    of the tokens it holds (`zigzag_positions`); None = 0 … T − 1, the single-process model. Give them on
+    the module's device: host positions would be copied to an accelerator in every layer's forward."""
     for m in module.modules():
         if isinstance(m, (Embedding, Attention)):
             m.positions = positions

@@ -106,6 +106,35 @@ def _models_on_rank(cases):
     return _on_rank(cases, _model_case)
 
 
+def _tp_cp_on_rank(cp: int) -> dict:
+    """tiny-llama under the native engine's tensor parallel (tp 2: each core sees 2 query heads and 1 K/V
+    head) and cp 2, ranks laid out tp-cp (tp groups {0, 1} and {2, 3}, cp groups {0, 2} and {1, 3})."""
+    import torch.distributed as dist
+    from bench.config import RunConfig
+    from bench.context_parallel import use_ring_attention
+    from bench.distributed import rank_session
+    from bench.native.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+    from bench.surgery import materialize, meta_module
+    from models.gpt import GPT
+    run_cfg = RunConfig(model="tiny-llama", tp=WORLD // cp, dp=cp)  # dp stands in for cp: the same world
+    cfg, tp = run_cfg.model_config, run_cfg.tp
+    with rank_session("cpu"):
+        rank = dist.get_rank()
+        tp_groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, WORLD, tp)]
+        cp_groups = [dist.new_group(list(range(offset, WORLD, tp))) for offset in range(tp)]
+        tp_rank, cp_rank = rank % tp, rank // tp
+        model = meta_module(lambda: GPT(cfg))
+        apply_tensor_parallel(model, run_cfg, tp_groups[rank // tp], tp_rank, tp)
+        materialize(model, cfg, 0, "cpu", tp_rank=tp_rank, tp=tp)
+        use_ring_attention(model, cp_groups[tp_rank])
+        set_positions(model, zigzag_positions(cp_rank, cp, cfg.seq_len))
+        tokens, targets = (shard_sequence(t, cp_rank, cp) for t in model_inputs(cfg))
+        loss = vocab_parallel_cross_entropy(model(tokens), targets, tp_groups[rank // tp])
+        (loss / cp).backward()  # each cp rank holds an equal share of the tokens
+        return {"tp_rank": tp_rank, "cp_rank": cp_rank,
+                "grads": {n: _numpy(p.grad) for n, p in model.named_parameters()}}
+
+
 # --- the checks -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def attention_results(pools):
@@ -245,3 +274,20 @@ def test_positions_left_unset_or_set_to_0_to_T_change_nothing():
         assert torch.equal(model(tokens), plain) and set(model.state_dict()) == names
         set_positions(model, torch.arange(cfg.seq_len).flip(0))  # positions really reach the model
         assert not torch.allclose(model(tokens), plain)
+
+
+def test_ring_attention_composes_with_tensor_parallel(pools):
+    """cp 2 × tp 2: every parameter's gradient, summed over cp, equals its tp slice of the reference's."""
+    from bench.surgery import split_dim
+    cp, tp = 2, WORLD // 2
+    ref = _reference_model("tiny-llama")["grads"]
+    results = pools(WORLD).call(_tp_cp_on_rank, cp)
+    for tp_rank in range(tp):
+        ranks = [r for r in results if r["tp_rank"] == tp_rank]
+        assert sorted(r["cp_rank"] for r in ranks) == list(range(cp))
+        for name, grad in ref.items():
+            dim = split_dim(name)
+            want = grad if dim is None else grad.chunk(tp, dim)[tp_rank]
+            summed = sum(torch.from_numpy(r["grads"][name]) for r in ranks)
+            error = (summed - want.double()).abs().max().item()
+            assert error <= 1e-5 * grad.abs().max().item(), f"tp rank {tp_rank} {name}: {error:.3g}"
