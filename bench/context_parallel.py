@@ -46,16 +46,16 @@ def check_divisible(seq_len: int, cp: int) -> None:
                          f"choose a seq_len that is a multiple of {2 * cp}, or a cp with 2·cp dividing it")
 
 
-def zigzag_positions(rank: int, cp: int, seq: int) -> torch.Tensor:
-    """Global token ids (LongTensor, 2·seq/(2·cp)) held by cp rank `rank` of a sequence of `seq` tokens."""
+def zigzag_positions(rank: int, cp: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Global token ids (LongTensor, seq/cp) held by cp rank `rank` of a sequence of `seq` tokens."""
     check_divisible(seq, cp)
     chunk = seq // (2 * cp)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in zigzag_chunks(rank, cp)])
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in zigzag_chunks(rank, cp)])
 
 
 def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
     """cp rank `rank`'s share of `x` along its sequence dimension `dim` (tokens or targets (B, S, …))."""
-    return x.index_select(dim, zigzag_positions(rank, cp, x.shape[dim]).to(x.device))
+    return x.index_select(dim, zigzag_positions(rank, cp, x.shape[dim], x.device))
 
 
 # --- the ring ------------------------------------------------------------------------------------------
@@ -225,8 +225,9 @@ def use_ring_attention(module: nn.Module, group) -> nn.Module:
 
 def set_positions(module: nn.Module, positions: torch.Tensor | None) -> nn.Module:
     """Give every Embedding (learned positions) and Attention (rotary) of `module` the global token ids
-    of the tokens it holds (`zigzag_positions`); None = 0 … T − 1, the single-process model. Give them on
-    the module's device: host positions would be copied to an accelerator in every layer's forward."""
+    of the tokens it holds (`zigzag_positions(rank, cp, seq, device)`); None = 0 … T − 1, the
+    single-process model. Give them on the module's device: host positions would be copied to an
+    accelerator in every layer's forward."""
     for m in module.modules():
         if isinstance(m, (Embedding, Attention)):
             m.positions = positions

@@ -4,6 +4,8 @@ Every multi-rank check runs in one world-4 pool, on cp groups made inside it: cp
 {2, 3} (the second's global ranks differ from its group ranks), cp 3 on {1, 2, 3}, cp 4 on all. Each
 rank returns its shards; the reference is computed here, in this process.
 """
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -65,6 +67,7 @@ def _model_case(group, cp: int, preset: str, order: str) -> dict:
     from bench.context_parallel import use_ring_attention
     from bench.metrics.comm import CommCounter
     from bench.surgery import apply_recompute
+    from tests.support.device_audit import ImplicitDeviceAudit
     rank, cfg = dist.get_rank(group), get_preset(preset)
     model = build_model(cfg, seed=0)
     steps = {"ring": [lambda: use_ring_attention(model, group)],
@@ -74,13 +77,13 @@ def _model_case(group, cp: int, preset: str, order: str) -> dict:
         step()
     set_positions(model, zigzag_positions(rank, cp, cfg.seq_len))
     tokens, targets = (shard_sequence(t, rank, cp) for t in model_inputs(cfg))
-    with CommCounter(dim_of=lambda ranks: "cp") as counter:
+    with CommCounter(dim_of=lambda ranks: "cp") as counter, ImplicitDeviceAudit() as audit:
         logits = model(tokens)
         # this rank's share of the mean over every token of the batch: the cp ranks' gradients sum to it
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1), reduction="sum")
         (loss / targets.numel() / cp).backward()
     return {"logits": _numpy(logits), "grads": {n: _numpy(p.grad) for n, p in model.named_parameters()},
-            "counted": _counted(counter)}
+            "counted": _counted(counter), "implicit_devices": audit.found}
 
 
 def _on_rank(cases: list, body) -> list:
@@ -207,6 +210,7 @@ def test_the_ring_sends_exactly_the_documented_bytes_and_ops(attention_results):
                 assert (got["forward"], got["backward"]) == (forward, backward), (cp, nkv, dtype, r)
 
 
+@functools.cache
 def _reference_model(preset: str) -> dict:
     cfg = get_preset(preset)
     model = build_model(cfg, seed=0)
@@ -219,10 +223,12 @@ def _reference_model(preset: str) -> dict:
 def test_a_whole_gpt_at_cp_equals_the_single_process_model(model_results):
     """tiny (learned positions, MHA) and tiny-llama (rope, GQA) at cp 2 and 4, also under selective
     recompute applied before or after the ring: each rank's logits at its global positions, and every
-    parameter's gradient summed over the cp ranks, within 1e-5 of the model on the whole sequence."""
+    parameter's gradient summed over the cp ranks, within 1e-5 of the model on the whole sequence. No
+    tensor is made without naming its device (on a GPU it would land on the host)."""
     for index, (cp, preset, order) in enumerate(MODEL_CASES):
         ref = _reference_model(preset)
         for ranks in CP_GROUPS[cp]:
+            assert all(model_results[r][index]["implicit_devices"] == [] for r in ranks), model_results[ranks[0]][index]["implicit_devices"]
             logits = _gathered(model_results, index, ranks, cp, "logits", dim=1)
             torch.testing.assert_close(logits, ref["logits"].double(), rtol=1e-5, atol=1e-6)
             for name, grad in ref["grads"].items():
