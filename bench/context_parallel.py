@@ -107,7 +107,7 @@ class RingAttention(torch.autograd.Function):
         check_divisible(q.shape[2] * cp, cp)  # two equal chunks per rank
         qs, scale = _query_chunks(q, k.shape[1], acc), q.shape[-1] ** -0.5
         out, lse = [None, None], [None, None]
-        kv = _flat(k, v)
+        kv = _flat(k, v)  # [K, V] flat (2·B·nkv·T/cp·hd,), K/V dtype: to the next cp rank, from the previous
         for step in range(cp):
             requests, received = _ring_pass([kv], group) if step < cp - 1 else ([], None)  # prefetch
             kk, vv = (x.to(acc) for x in _unflat(kv, k))
@@ -151,6 +151,7 @@ class RingAttention(torch.autograd.Function):
                 dq[a] += (ds @ kb) * scale
                 _chunk(dk, b, chunk).add_((ds.transpose(-2, -1) @ qs[a]) * scale)
                 _chunk(dv, b, chunk).add_(p.transpose(-2, -1) @ dys[a])
+            # [K, V] (2·B·nkv·T/cp·hd,) in their dtype and [dK, dV] of the same size in fp32, over the cp ring
             if step < cp - 1:  # K/V on to the next rank, with the dK/dV summed so far for them
                 requests, (kv, dkv) = _ring_pass([kv, dkv], group)
             else:  # the last dK/dV home: the K/V in hand belong to the next rank
