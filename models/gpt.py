@@ -43,7 +43,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor
 class AttentionCore(nn.Module):
     """softmax(QKᵀ/√d + causal mask)·V: the part of attention that selective activation recomputation
     recomputes in backward (Korthikanti et al. 2022). No parameters: a module only so that engines can
-    wrap it from outside (bench.surgery) without changing any parameter name."""
+    wrap it (bench.surgery) or swap it for ring attention (bench.context_parallel) from outside without
+    changing any parameter name."""
 
     def __init__(self, group: int):
         super().__init__()
