@@ -19,15 +19,22 @@ import torch.nn.functional as F
 from models.config import GPTConfig
 
 
+def _positions(positions: torch.Tensor | None, T: int, device) -> torch.Tensor:
+    """The global ids of the T tokens a module holds: set from outside when the sequence is split
+    (context parallel), else 0 … T − 1."""
+    return torch.arange(T, device=device) if positions is None else positions.to(device)
+
+
 def _norm(cfg: GPTConfig) -> nn.Module:
     return nn.LayerNorm(cfg.hidden) if cfg.norm == "layernorm" else nn.RMSNorm(cfg.hidden)
 
 
-def rope(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding on (B, T, nh, hd)."""
+def rope(x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding on (B, T, nh, hd) at token positions (T,); None = 0 … T − 1."""
     T, hd = x.shape[1], x.shape[-1]
     inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    ang = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv)  # (T, hd/2)
+    pos = _positions(positions, T, x.device).to(torch.float32)
+    ang = torch.outer(pos, inv)  # (T, hd/2)
     cos, sin = ang.cos()[None, :, None, :].to(x.dtype), ang.sin()[None, :, None, :].to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
@@ -36,7 +43,8 @@ def rope(x: torch.Tensor) -> torch.Tensor:
 class AttentionCore(nn.Module):
     """softmax(QKᵀ/√d + causal mask)·V: the part of attention that selective activation recomputation
     recomputes in backward (Korthikanti et al. 2022). No parameters: a module only so that engines can
-    wrap it from outside (bench.surgery) without changing any parameter name."""
+    wrap it (bench.surgery) or swap it for ring attention (bench.context_parallel) from outside without
+    changing any parameter name."""
 
     def __init__(self, group: int):
         super().__init__()
@@ -57,6 +65,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, cfg.qkv_out, bias=cfg.bias, device=device)
         self.core = AttentionCore(cfg.group)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias, device=device)
+        self.positions: torch.Tensor | None = None  # global token ids for rope (not a buffer: no state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -67,7 +76,7 @@ class Attention(nn.Module):
         if self.group > 1:  # flatten copied q (its heads are strided); copying K and V as well frees the
             k, v = k.contiguous(), v.contiguous()  # fused output, so backward keeps K and V at kv_heads' size
         if self.rope:
-            q, k = rope(q), rope(k)
+            q, k = rope(q, self.positions), rope(k, self.positions)
         y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, nh, T, hd)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -103,11 +112,12 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden, device=device)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden, device=device) if cfg.position == "learned" else None
+        self.positions: torch.Tensor | None = None  # global token ids (not a buffer: no state)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) → (B, T, h)
         x = self.tok(idx)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            x = x + self.pos(_positions(self.positions, idx.shape[1], idx.device))
         return x
 
 
