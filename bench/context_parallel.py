@@ -1,8 +1,8 @@
 """Context parallelism: the zig-zag sequence layout and the one ring attention every backend uses.
 
-Layout (Megatron's DualChunkSwap, Llama 3 §3.3.2): the sequence is cut into 2·cp equal chunks and cp
-rank r holds chunks r and 2·cp − 1 − r, so every rank does the same causal work. Positions are global:
-`set_positions` gives the model's Embedding and Attention (rotary) the rank's token ids.
+Layout (bench.data.zigzag_positions; Megatron's DualChunkSwap, Llama 3 §3.3.2): the sequence is cut into
+2·cp equal chunks and cp rank r holds chunks r and 2·cp − 1 − r, so every rank does the same causal work.
+Positions are global: `set_positions` gives the model's Embedding and Attention (rotary) the rank's token ids.
 
 Ring attention (`ring_attention`, `RingAttention`): causal softmax attention over the cp group's whole
 sequence. Each step attends the rank's queries to one rank's K/V, in half blocks of (query chunk, key
@@ -31,31 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bench.data import check_divisible, zigzag_positions
 from models.gpt import Attention, AttentionCore, Embedding
-
-
-# --- the zig-zag layout --------------------------------------------------------------------------------
-def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
-    """The two of 2·cp sequence chunks that cp rank `rank` holds."""
-    return rank, 2 * cp - 1 - rank
-
-
-def check_divisible(seq_len: int, cp: int) -> None:
-    if seq_len % (2 * cp):
-        raise ValueError(f"seq_len ({seq_len}) does not split into 2·cp = {2 * cp} equal chunks for cp = {cp}: "
-                         f"choose a seq_len that is a multiple of {2 * cp}, or a cp with 2·cp dividing it")
-
-
-def zigzag_positions(rank: int, cp: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Global token ids (LongTensor, seq/cp) held by cp rank `rank` of a sequence of `seq` tokens."""
-    check_divisible(seq, cp)
-    chunk = seq // (2 * cp)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in zigzag_chunks(rank, cp)])
-
-
-def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
-    """cp rank `rank`'s share of `x` along its sequence dimension `dim` (tokens or targets (B, S, …))."""
-    return x.index_select(dim, zigzag_positions(rank, cp, x.shape[dim], x.device))
 
 
 # --- the ring ------------------------------------------------------------------------------------------

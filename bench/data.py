@@ -34,20 +34,36 @@ def micro_batches(cfg, step: int, dp_rank: int, cp_rank: int = 0) -> list[tuple[
     return list(zip(x.split(cfg.micro_batch), y.split(cfg.micro_batch)))
 
 
-def sequence_share(cfg, cp_rank: int) -> torch.Tensor:
+def sequence_share(cfg, cp_rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The global positions cp rank `cp_rank` holds: its zig-zag pair of chunks for ring attention, the
     r-th contiguous chunk for Ulysses (whose all-to-all hands every rank the whole sequence for its heads,
     so the causal work is balanced whatever the chunks, and the gathered sequence stays in order)."""
     if cfg.cp_comm == "ulysses":
         n = cfg.seq // cfg.cp
-        return torch.arange(cp_rank * n, (cp_rank + 1) * n)
-    return zigzag_positions(cp_rank, cfg.cp, cfg.seq)
+        return torch.arange(cp_rank * n, (cp_rank + 1) * n, device=device)
+    return zigzag_positions(cp_rank, cfg.cp, cfg.seq, device)
 
 
-def zigzag_positions(cp_rank: int, cp: int, seq: int) -> torch.Tensor:
-    """Global token positions of cp rank r: chunks r and 2·cp − 1 − r of 2·cp equal chunks, so that under
-    a causal mask every rank has the same attention work (an early chunk with few keys, a late one with
-    many). Megatron-LM and torchtitan's load-balanced ("head-tail") sharding."""
-    c = seq // (2 * cp)
-    first, second = cp_rank * c, (2 * cp - 1 - cp_rank) * c
-    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
+    """The two of 2·cp sequence chunks that cp rank `rank` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def check_divisible(seq_len: int, cp: int) -> None:
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len ({seq_len}) does not split into 2·cp = {2 * cp} equal chunks for cp = {cp}: "
+                         f"choose a seq_len that is a multiple of {2 * cp}, or a cp with 2·cp dividing it")
+
+
+def zigzag_positions(rank: int, cp: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Global token ids (LongTensor, seq/cp) held by cp rank `rank` of a sequence of `seq` tokens: chunks r
+    and 2·cp − 1 − r of 2·cp, so that under a causal mask every rank has the same attention work (an early
+    chunk with few keys, a late one with many): Megatron's and torchtitan's load-balanced sharding."""
+    check_divisible(seq, cp)
+    chunk = seq // (2 * cp)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in zigzag_chunks(rank, cp)])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """cp rank `rank`'s share of `x` along its sequence dimension `dim` (tokens or targets (B, S, …))."""
+    return x.index_select(dim, zigzag_positions(rank, cp, x.shape[dim], x.device))

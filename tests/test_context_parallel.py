@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.context_parallel import shard_sequence, set_positions, zigzag_positions
+from bench.context_parallel import set_positions
+from bench.data import shard_sequence, zigzag_positions
 from models import build_model, get_preset, loss_fn
 
 WORLD = 4
