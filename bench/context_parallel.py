@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench.data import check_divisible, zigzag_positions
-from models.gpt import Attention, AttentionCore, Embedding
+from models.gpt import AttentionCore
 
 
 # --- the ring ------------------------------------------------------------------------------------------
@@ -202,11 +202,11 @@ def use_ring_attention(module: nn.Module, group) -> nn.Module:
 
 
 def set_positions(module: nn.Module, positions: torch.Tensor | None) -> nn.Module:
-    """Give every Embedding (learned positions) and Attention (rotary) of `module` the global token ids
-    of the tokens it holds (`zigzag_positions(rank, cp, seq, device)`); None = 0 … T − 1, the
-    single-process model. Give them on the module's device: host positions would be copied to an
-    accelerator in every layer's forward."""
+    """Give every module of `module` that takes global positions (a `positions` attribute: the GPT's
+    Embedding and Attention, the native engine's vocab-parallel embedding) the global token ids of the
+    tokens it holds (`bench.data.sequence_share`); None = 0 … T − 1, the single-process model. Give them
+    on the module's device: host positions would be copied to an accelerator in every layer's forward."""
     for m in module.modules():
-        if isinstance(m, (Embedding, Attention)):
+        if hasattr(m, "positions"):
             m.positions = positions
     return module

@@ -1,4 +1,4 @@
-"""The native 3D engine: `parallelize` applies TP → PP → DP to the shared GPT; the Trainer runs it.
+"""The native engine: `parallelize` applies TP → PP → CP → DP to the shared GPT; the Trainer runs it.
 
 Nothing is materialized before it is sharded: the GPT is built on the meta device, tensor parallel
 swaps in local-shaped layers (still meta), the pipeline keeps only this rank's stages, and only
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from bench.context_parallel import set_positions, use_ring_attention
+from bench.data import sequence_share
 from bench.loss_scale import loss_scaler, optimizer_step
 from bench.native.data import DataParallel
 from bench.native.pipeline import Pipeline, stage_layers_json
@@ -39,6 +41,9 @@ def parallelize(model: GPT, groups, cfg, device: torch.device, autocast_dtype=No
     parts = partition(model.cfg.layers, p * v)
     chunks = cut_stages(model, parts, rank_chunks(groups.coord.pp, p, v))
     for chunk in chunks:
+        if cfg.cp > 1:  # the rank's share of each sequence, at its global positions; attention over the ring
+            use_ring_attention(chunk, groups.cp)
+            set_positions(chunk, sequence_share(cfg, groups.coord.cp, device))
         transform_blocks(chunk, cfg)  # recompute, compile
         materialize(chunk, model.cfg, cfg.seed, device, tp_rank=tp_rank, tp=tp)
         if model.cfg.tie_embeddings and chunk.embed is not None and chunk.head is not None:

@@ -65,6 +65,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab // tp, cfg.hidden, device=device)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden, device=device) if cfg.position == "learned" else None
         self.vocab_start = rank * (cfg.vocab // tp)
+        self.positions: torch.Tensor | None = None  # global token ids under cp (bench.context_parallel)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         local = idx - self.vocab_start
@@ -77,7 +78,8 @@ class VocabParallelEmbedding(nn.Module):
             x = comm.reduce_from_region(x, self.group)  # (B, T, h)
             start = 0
         if self.pos is not None:
-            x = x + self.pos(torch.arange(start, start + x.shape[1], device=idx.device))
+            held = self.positions if self.positions is not None else torch.arange(idx.shape[1], device=idx.device)
+            x = x + self.pos(held[start:start + x.shape[1]])
         return x
 
 
