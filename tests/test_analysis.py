@@ -136,11 +136,13 @@ def test_layout_with_model_bytes():
 
 
 def test_crosses_nodes_matches_layout():
-    for tp, pp, dp, order, g in [(4, 4, 4, "tp-pp-dp", 8), (16, 2, 2, "tp-pp-dp", 8), (2, 3, 5, "tp-dp-pp", 4),
-                                 (8, 16, 8, "tp-dp-pp", 8), (3, 2, 4, "tp-pp-dp", 4)]:
-        lay = Layout(tp, pp, dp, order, g)
-        for dim in ("tp", "pp", "dp"):
-            assert crosses_nodes(tp, pp, dp, order, g, dim) == bool(lay.crossing_groups(dim)), (tp, pp, dp, dim)
+    for tp, cp, pp, dp, order, g in [(4, 1, 4, 4, "tp-pp-dp", 8), (16, 1, 2, 2, "tp-pp-dp", 8),
+                                     (2, 1, 3, 5, "tp-dp-pp", 4), (8, 1, 16, 8, "tp-dp-pp", 8), (3, 1, 2, 4, "tp-pp-dp", 4),
+                                     (2, 4, 2, 2, "tp-pp-dp", 8), (2, 2, 3, 2, "tp-cp-dp-pp", 4), (1, 3, 2, 2, "tp-pp-dp", 2),
+                                     (4, 4, 1, 2, "tp-dp-pp", 8)]:
+        lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=order, gpus_per_node=g)
+        for dim in ("tp", "cp", "pp", "dp"):
+            assert crosses_nodes(tp, pp, dp, order, g, dim, cp) == bool(lay.crossing_groups(dim)), (tp, cp, pp, dp, dim)
     assert ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
 
 
