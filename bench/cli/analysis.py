@@ -91,8 +91,8 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
     else:
         from models.config import count_params
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
-        est = {"params": count_params(cfg.model_config), **predict(cfg, hardware, gpus_per_node, mixed_state,
-                                                                   activations)}
+        est = {"params": count_params(cfg.model_config), "cp": cfg.cp,
+               **predict(cfg, hardware, gpus_per_node, mixed_state, activations)}
     if as_json:
         echo_json(est)
         return
@@ -117,7 +117,7 @@ def _shape_from_options(options: dict):
 
 
 def _print_estimate(est: dict) -> None:
-    from bench.layout import DIMS
+    from bench.layout import named_dims
     from bench.results.schema import comm_column
     if "world_size" not in est:  # --params
         click.echo(f"{est['params']:.4g} params, dp={est['dp']}, ZeRO-{est['zero']}, {est['dtype']}, per device:")
@@ -133,7 +133,7 @@ def _print_estimate(est: dict) -> None:
         return
     click.echo(f"  activations per layer and micro-batch: {_gib(est['activation_bytes_per_layer'])}")
     click.echo("communication per step and rank (payload / ring wire):")
-    for dim in DIMS:
+    for dim in named_dims(est["cp"]):
         payload, wire = est[comm_column("bytes", dim)], est[comm_column("wire_bytes", dim)]
         click.echo(f"  {dim}: {_gib(payload):>14} / {_gib(wire):>14}")
     click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")
