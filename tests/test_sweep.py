@@ -460,6 +460,11 @@ def test_cp_is_an_axis_with_dp_auto_and_a_column_where_used():
     reasons = {(r["backend"], r["cp_comm"]): r["error"] for r in exp.skipped}
     assert "runs cp_comm ring, not ulysses" in reasons["native", "ulysses"]
     assert "has no context parallel" in reasons["ddp", "ring"]
+    mixed = expand(_spec(runs=[{"cp": 3}, {"backend": "deepspeed", "tp": 2, "cp": 4}, {"cp": 2}]))
+    assert [c.cp for c in mixed.runs] == [2]  # a misfit is a skipped row with RunConfig's reason
+    assert [r["error"].split(";")[0] for r in mixed.skipped] == [
+        "cp (3) needs seq (32) divisible by 2 × cp = 6 (each rank holds two equal chunks, zig-zag)",
+        "cp_comm ulysses needs model heads (4) divisible by tp × cp = 8"]
     odd = expand(_spec(world_size=4, grid={"cp": [3], "dp": "auto"}))
     assert odd.skipped[0]["error"] == "dp: auto: world_size (4) is not divisible by tp (1) × cp (3) × pp (1) = 3"
 
