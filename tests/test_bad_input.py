@@ -108,7 +108,7 @@ case("run-cp-comm-unknown", ["run", "--cp", "2", "--cp-comm", "rings"], "--cp-co
 case("run-world-size-with-cp", ["run", "--cp", "2", "--dp", "2", "--world-size", "2"],
      "tp (1) × cp (2) × pp (1) × dp (2) = 4", "world_size is 2")
 case("estimate-cp-on-ddp", ["estimate", "--model", "tiny", "--backend", "ddp", "--cp", "2"], "no context parallel")
-case("layout-cp-seq-not-in-2cp-chunks", ["layout", "--cp", "2", "--seq", "6"], "--seq (6)", "2 × cp = 4")
+case("layout-cp-seq-not-in-2cp-chunks", ["layout", "--cp", "2", "--seq", "6"], "--seq", "seq (6)", "2 × cp = 4")
 case("layout-seq-without-cp", ["layout", "--seq", "8"], "--seq", "--cp")
 case("layout-world-size-with-cp", ["layout", "--cp", "2", "--dp", "2", "--world-size", "2"],
      "tp (1) × cp (2) × pp (1) × dp (2) = 4", "--world-size")

@@ -134,7 +134,7 @@ def format_text(info: dict) -> str:
     lines = [" × ".join(f"{d}={info[d]}" for d in dims) + f" = {info['world_size']} GPUs on "
              f"{info['nodes']} node(s) of {info['gpus_per_node']}, rank order {info['order']} (fastest first)", ""]
     if "sequence" in info:
-        lines += [_sequence_line(info["sequence"], info["cp"]), ""]
+        lines += [_sequence_line(info["sequence"]), ""]
     reps = info["replicas"]
     shown = reps if info["world_size"] <= TREE_LIMIT or len(reps) <= 3 else [reps[0], reps[1], None, reps[-1]]
     for rep in shown:
@@ -166,7 +166,7 @@ def format_text(info: dict) -> str:
     return "\n".join(lines)
 
 
-def _sequence_line(sequence: dict, cp: int) -> str:
+def _sequence_line(sequence: dict) -> str:
     n, seq = sequence["chunks"], sequence["seq"]
     size = f" of {seq // n} tokens (seq {seq})" if seq is not None else ""
     rule = f"cp rank r holds chunks r and {n - 1} − r (zig-zag: equal causal work)"

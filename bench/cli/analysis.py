@@ -58,7 +58,7 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
     if options["model"]:
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
     elif seq is not None and seq_split_reason(seq, lay.cp):
-        raise ConfigError(seq_split_reason(seq, lay.cp).replace("seq (", "--seq (", 1))
+        raise ConfigError(f"--seq: {seq_split_reason(seq, lay.cp)}")
     info = explain(lay, rack_size, cfg, seq=seq)
     if as_json:
         echo_json(info)
