@@ -33,7 +33,7 @@ from pydantic.dataclasses import dataclass
 
 from bench.capabilities import CAPABILITIES, unsupported_reason
 from bench.choices import BACKENDS, CP_COMMS, DEVICES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES
-from bench.layout import ORDERS, Layout
+from bench.layout import DIMS, ORDERS, Layout, named_dims
 from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
 
@@ -439,10 +439,9 @@ def _world_size_reason(cfg: RunConfig) -> str | None:
     return None
 
 
-def layout_product(cfg) -> str:
-    """'tp (2) × pp (2) × dp (2)', with cp named only when it is used."""
-    dims = ("tp", "cp", "pp", "dp") if cfg.cp > 1 else ("tp", "pp", "dp")
-    return " × ".join(f"{d} ({getattr(cfg, d)})" for d in dims)
+def layout_product(cfg, dims=DIMS) -> str:
+    """'tp (2) × pp (2) × dp (2)' of those `dims` a config (or a Layout) has, cp named only when it is used."""
+    return " × ".join(f"{d} ({getattr(cfg, d)})" for d in named_dims(cfg.cp) if d in dims)
 
 
 # Test-only faults: name → whether it takes a number (`sleep:400`). See bench.worker for what each does.
@@ -508,12 +507,20 @@ def _model_fit_reason(cfg) -> str | None:
     return None
 
 
+def seq_split_reason(seq: int, cp: int) -> str | None:
+    """Why `seq` tokens do not split into the 2·cp equal zig-zag chunks of bench.layout.zigzag_chunks."""
+    if seq % (2 * cp) == 0:
+        return None
+    return (f"cp ({cp}) needs seq ({seq}) divisible by 2 × cp = {2 * cp} "
+            "(each rank holds two equal chunks, zig-zag); pick seq or cp to fit")
+
+
 def _context_reason(cfg) -> str | None:
     if cfg.cp == 1:
         return None
-    if cfg.seq % (2 * cfg.cp):
-        return (f"cp ({cfg.cp}) needs seq ({cfg.seq}) divisible by 2 × cp = {2 * cfg.cp} "
-                "(each rank holds two equal chunks, zig-zag); pick seq or cp to fit")
+    split = seq_split_reason(cfg.seq, cfg.cp)
+    if split:
+        return split
     if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
         return (f"sequence_parallel with cp ({cfg.cp}) needs seq / cp ({cfg.seq // cfg.cp}) divisible by "
                 f"tp ({cfg.tp})")
