@@ -248,8 +248,8 @@ def _parallelism(caps: Capabilities, cfg) -> str | None:
         return f"backend {name} has no context parallel: needs cp = 1, got cp={cfg.cp} (backends {_who('cp_comms')} have one)"
     if cfg.cp > 1 and cfg.cp_comm not in caps.cp_comms:
         others = [b for b, c in CAPABILITIES.items() if cfg.cp_comm in c.cp_comms]
-        return (f"backend {name} runs cp_comm {' and '.join(caps.cp_comms)}, not {cfg.cp_comm}"
-                + (f" (backend {' and '.join(others)} does)" if others else ""))
+        who = f"backend {others[0]} does" if len(others) == 1 else f"backends {' and '.join(others)} do"
+        return f"backend {name} runs cp_comm {' and '.join(caps.cp_comms)}, not {cfg.cp_comm}" + (f" ({who})" if others else "")
     if cfg.sequence_parallel and not caps.sequence_parallel:
         return f"backend {name}: sequence_parallel is not supported ({_who('sequence_parallel')} engine only)"
     if cfg.model_config.tie_embeddings:

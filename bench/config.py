@@ -33,7 +33,7 @@ from pydantic.dataclasses import dataclass
 
 from bench.capabilities import CAPABILITIES, unsupported_reason
 from bench.choices import BACKENDS, CP_COMMS, DEVICES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES
-from bench.layout import DIMS, ORDERS, Layout, named_dims
+from bench.layout import DIMS, ORDERS, Layout, named_dims, seq_split_reason
 from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
 
@@ -507,14 +507,6 @@ def _model_fit_reason(cfg) -> str | None:
     return None
 
 
-def seq_split_reason(seq: int, cp: int) -> str | None:
-    """Why `seq` tokens do not split into the 2·cp equal zig-zag chunks of bench.layout.zigzag_chunks."""
-    if seq % (2 * cp) == 0:
-        return None
-    return (f"cp ({cp}) needs seq ({seq}) divisible by 2 × cp = {2 * cp} "
-            "(each rank holds two equal chunks, zig-zag); pick seq or cp to fit")
-
-
 def _context_reason(cfg) -> str | None:
     if cfg.cp == 1:
         return None
@@ -529,8 +521,12 @@ def _context_reason(cfg) -> str | None:
         for what, heads in (("heads", m.heads), ("kv_heads", m.num_kv_heads)):
             if heads % (cfg.tp * cfg.cp):
                 return (f"cp_comm ulysses needs model {what} ({heads}) divisible by tp × cp = {cfg.tp * cfg.cp}; "
-                        "pick a smaller cp or cp_comm ring")
+                        f"pick tp × cp dividing it, or cp_comm ring (backend {' or '.join(_ring_backends())})")
     return None
+
+
+def _ring_backends() -> list[str]:
+    return [name for name, caps in CAPABILITIES.items() if "ring" in caps.cp_comms]
 
 
 def _pipeline_reason(cfg) -> str | None:

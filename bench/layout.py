@@ -39,10 +39,18 @@ def zigzag_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
     return cp_rank, 2 * cp - 1 - cp_rank
 
 
+def seq_split_reason(seq: int, cp: int) -> str | None:
+    """Why `seq` tokens do not split into the 2·cp equal zig-zag chunks, or None."""
+    if seq % (2 * cp) == 0:
+        return None
+    return (f"cp ({cp}) needs seq ({seq}) divisible by 2 × cp = {2 * cp} "
+            "(each rank holds two equal chunks, zig-zag); pick seq or cp to fit")
+
+
 def zigzag_tokens(cp_rank: int, cp: int, seq: int) -> tuple[range, range]:
     """The token positions of those two chunks in a sequence of `seq` tokens (seq divisible by 2·cp)."""
-    if seq % (2 * cp):
-        raise ValueError(f"seq ({seq}) does not split into 2 × cp = {2 * cp} equal chunks")
+    if seq_split_reason(seq, cp):
+        raise ValueError(seq_split_reason(seq, cp))
     size = seq // (2 * cp)
     first, second = zigzag_chunks(cp_rank, cp)
     return range(first * size, (first + 1) * size), range(second * size, (second + 1) * size)
