@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache, partial
 
 from bench.analysis.memory import rank_params, sharding
-from bench.analysis.params import fsdp_group_sizes, native_buckets, native_padded_buckets, stage_param_sizes
+from bench.analysis.params import data_ranks, fsdp_group_sizes, native_buckets, native_padded_buckets, stage_param_sizes
 from bench.capabilities import engine
 from bench.schedule import Step, partition, rank_chunks, rank_peak, schedule_step
 from models.config import GPTConfig
@@ -78,8 +78,9 @@ class StagePlan:
         return native_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb)
 
     def padded_buckets(self, stage: int) -> int:
-        """Elements of those buckets, each padded to a multiple of dp (ZeRO-1's flat buffers)."""
-        return native_padded_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb, self.cfg.dp)
+        """Elements of those buckets, each padded to a multiple of dp·cp (ZeRO-1's flat buffers)."""
+        return native_padded_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb,
+                                     data_ranks(self.cfg))
 
     def fsdp_groups(self, stage: int, shard: int) -> tuple[tuple[str, int], ...]:
         """(kind, padded element count) of each FSDP2 group of a rank, sharded `shard` ways."""
