@@ -63,6 +63,8 @@ class Traffic:
     group: int  # ranks in the group
     what: str
     per: str = "micro-batch"  # "micro-batch" (on the pipeline's critical path) or "step"
+    behind: str = ""  # "forward" / "backward": each op is a ring pass posted before one ring step of the
+    # attention core's forward / backward and waited after it (hidden behind that step); "": not overlapped
 
     @property
     def total(self) -> float:
@@ -168,9 +170,12 @@ def cp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
                         Traffic("cp", "all_to_all", kv / 2 * e, 2 * calls, c, f"keys and values, {what}")]
         return out
     # each pass is one send and one recv of a flat buffer to the next / from the previous cp rank
-    sends = [Traffic("cp", "send", kv * e, (c - 1) * calls, c, what) for what, calls in
-             (("K/V round the ring (fwd)", passes), ("K/V round the ring (recomputed fwd)", rerun),
-              ("K/V round the ring again (bwd)", passes)) if calls]
+    # the forward prefetches the next K/V behind the block in hand; the backward's dK/dV are ready only
+    # after their block, so its passes wait
+    sends = [Traffic("cp", "send", kv * e, (c - 1) * calls, c, what, behind=behind) for what, calls, behind in
+             (("K/V round the ring (fwd)", passes, "forward"),
+              ("K/V round the ring (recomputed fwd)", rerun, "forward"),
+              ("K/V round the ring again (bwd)", passes, "")) if calls]
     sends.append(Traffic("cp", "send", kv * FP32, c * passes, c, "dK/dV partial sums, fp32, the last pass home (bwd)"))
     return sends + [Traffic("cp", "recv", 0, sum(tr.ops for tr in sends), c, "receives (counted as ops)")]
 
