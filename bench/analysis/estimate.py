@@ -139,7 +139,7 @@ def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str | None = None, 
     cfg, g = plan.cfg, plan.gpus_per_node or hw.gpus_per_node
     mixed_state, _, default_impl = conventions(cfg, mixed_state)
     impl = impl or default_impl
-    links = {d: link(cfg, hw, d, g) for d in DIMS}
+    links = {d: link(cfg, hw, d, g) for d in DIMS if d != "cp" or cfg.cp > 1}  # a cp link only where cp is
     t = step_terms(plan, hw, {d: links[d][:2] for d in links}, impl, mixed_state)
     step = t["step_time_s"]
     exposed = t["comm_exposed_tp_s"] + t["comm_exposed_cp_s"] + t["comm_exposed_pp_s"] + t["comm_exposed_dp_s"]
