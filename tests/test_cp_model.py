@@ -135,3 +135,25 @@ def test_planner_searches_cp_for_long_sequences_only():
         assert all(row["tp"] * row["cp"] * row["pp"] * row["dp"] == 256 for row in result.configs)
     short = plan("llama3.1-405b", 256, 8, "h100-sxm", global_batch=2, seq=4096, top=3)
     assert short.configs and all(row["cp"] == 1 for row in short.configs)
+
+
+@pytest.mark.parametrize("engines", ["suite", "any"])
+def test_plan_validation_caches_agree_with_runconfig_under_cp(engines):
+    """The validators' cache keys read cp's rules (2·cp dividing seq, Ulysses' heads ÷ tp·cp): every
+    candidate of a long-sequence plan gets RunConfig's own verdict (as tests/test_analysis.py at cp = 1)."""
+    from bench.analysis.planner import (RECOMPUTE, SHARDINGS, _candidate, _fields, _reason_class, _Validator, points,
+                                        run_config_reason)
+    verdict = lambda reason: reason and _reason_class(reason)  # noqa: E731
+    cached, n, cps = _Validator(engines), 0, set()
+    for point, orders, skip in points("llama3-8b", 8, 8, 8192, "bf16-mixed", 8):
+        for backend, zero, fsdp in [] if skip else SHARDINGS:
+            for recompute, order in ((r, o) for r in RECOMPUTE[::2] for o in orders):  # cp's rules read no recompute
+                options = {"backend": backend, "zero": zero, "fsdp": fsdp, "recompute": recompute,
+                           "cp_comm": cached.cp_comm(point)}
+                shape = _candidate(_fields(point), options, order)
+                cps.add((shape.cp, shape.cp_comm))
+                if engines == "suite":
+                    assert verdict(cached(shape)) == verdict(run_config_reason(shape)), shape
+                n += 1
+    assert {(2, "ring"), (8, "ring")} <= cps and n > 300
+    assert ((2, "ulysses") in cps) == (engines == "suite")
