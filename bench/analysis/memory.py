@@ -213,8 +213,9 @@ def layer_activation_bytes(m: GPTConfig, b: int, s: int, tp: int = 1, sp: bool =
                            recompute: str = "none", e: int = 2, act: ActivationModel = ActivationModel(),
                            cp: int = 1) -> float:
     """Bytes one layer saves for backward for one micro-batch on one tp rank (see module docstring).
-    Context parallel: the rank holds s/cp of every sequence, so every per-token term divides by cp; a
-    query's saved scores still span the whole sequence's keys (s)."""
+    Context parallel: the rank holds s/cp of every sequence, so every per-token term divides by cp, and
+    its attention is a fused ring (TE's, which Megatron's CP requires, or this suite's): no score matrix
+    is saved, only the fp32 log-sum-exp, as a fused kernel's."""
     h, a, f, tokens = m.hidden, m.heads, m.ffn_hidden, s * b // cp
     if recompute == "full":
         return e * tokens * h / (tp if sp else 1)
@@ -224,8 +225,9 @@ def layer_activation_bytes(m: GPTConfig, b: int, s: int, tp: int = 1, sp: bool =
     mlp = e * (4 * f if m.activation == "swiglu" else 2 * f)  # gelu: fc1 out + fc2 in; swiglu: + gate
     kv = m.num_kv_heads * m.head_dim  # = h without grouped-query attention
     split = e * (2 * h + 2 * kv) + mlp  # Q, K, V, proj input, MLP internals
-    if recompute == "selective" or act.flash:
-        scores = 4 * a if act.flash and recompute != "selective" else 0  # fused kernel: fp32 log-sum-exp
+    fused = act.flash or cp > 1
+    if recompute == "selective" or fused:
+        scores = 4 * a if fused and recompute != "selective" else 0  # fused kernel: fp32 log-sum-exp
     else:
         scores = a * s * (e + mask * (1 + e))  # softmax out, dropout mask, dropout out
     per_token = (replicated / tp if sp else replicated) + split / tp + scores / tp

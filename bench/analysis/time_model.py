@@ -143,8 +143,8 @@ def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
     if impl == "table2":  # Megatron-LM: scores materialised (QKᵀ, then AV), fused kernels, dropout masks of 1 byte
         scores = b * heads * s * s
         core = (Matmul(s, hd, s, b * heads), Matmul(s, s, hd, b * heads))
-        if ring:  # TE's ring (Megatron's CP needs it): causal, zig-zag balanced, in half blocks
-            core, scores = context_parallel_core(cfg, impl)
+        if ring:  # TE's ring (Megatron's CP needs it): causal, zig-zag balanced, in half blocks, fused (the
+            core, scores = context_parallel_core(cfg, impl)[0], 0  # scores never leave the kernel)
         soft_f = 2 * e * scores + (2 * e + 1) * scores  # scale-mask-softmax; dropout
         soft_b = 3 * e * scores + (2 * e + 1) * scores
         fwd = Work(gemms + core, 2 * 2 * e * x + 2 * (3 * e + 1) * x + 2 * e * ffn + soft_f, TABLE2_OPS[0])
