@@ -17,6 +17,14 @@ What each dimension moves (b sequences × s tokens per micro-batch, hidden h, X 
   all-gathers backward; the head all-gathers forward and reduce-scatters backward), plus, once per
   step, an all-reduce of the gradients of the parameters that see sequence shards (norms,
   row-parallel biases) in fp32.
+- cp (context parallel, issue 24), per layer and micro-batch, on a rank holding s/cp tokens of each
+  sequence, KV_r = 2·b·(s/cp)·(kv_heads/t)·head_dim elements, β the compute dtype's bytes:
+  ring (bench.context_parallel; native, fsdp): forward cp−1 passes of K/V (KV_r·β each), backward cp−1
+  passes of K/V and cp of dK/dV in fp32 (KV_r·4), each pass one send and one recv; Ulysses
+  (deepspeed.sequence.layer.DistributedAttention; deepspeed): one all-to-all each of q, k, v and the
+  output forward and of their gradients backward (payload: the input). Recomputing the attention core
+  (selective, full) runs the forward traffic again. The other dimensions see s/cp tokens (tp, pp), and
+  the gradient reduction and state sharding run over dp·cp ranks (`params.data_ranks`), counted as dp.
 - pp, per micro-batch and boundary: X (÷ t with sequence parallel) forward and the same backward,
   over p−1 boundaries (p·v−1 with the interleaved schedule); averaged over the p ranks.
 - dp, per step: one all-reduce of the local gradients (native, ddp, deepspeed ZeRO-0); ZeRO-1/2:

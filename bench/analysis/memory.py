@@ -12,6 +12,11 @@ ZeRO-3 (FSDP full) + parameters; FSDP hybrid shards within a group of `hybrid_sh
 ZeRO-3/FSDP additionally hold gathered parameters during the step (`step_peak`: FSDP2 its root and
 the blocks in backward, ZeRO-3 every partitioned parameter it fits under its live-parameter limits).
 
+Context parallel (cp): a rank holds s/cp tokens of each sequence, so every per-token activation term,
+the logits and the loss divide by cp (Korthikanti's terms and this suite's alike), its ring attention
+adds its buffers to a block's backward (`context_parallel_bytes`), and the model state is sharded over
+the dp·cp ranks where the engine shards (ZeRO ≥ 1, FSDP: `params.data_ranks`).
+
 Tensor parallel (Megatron's split): qkv and fc1 column-parallel (weights and biases ÷ t), proj
 and fc2 row-parallel (weights ÷ t, biases replicated), norms replicated, token embedding and LM
 head vocab-parallel (÷ t), learned position table replicated. Stage 0 holds the embeddings, the

@@ -16,6 +16,10 @@ Per pipeline rank and micro-batch, each chunk's forward and backward cost (per t
     overhead    ops × per-op dispatch cost (calibrated; 0 on GPU, where launches run ahead of the device)
     recompute   full: the layer's forward again in backward; selective: its attention core
     tp          every tp collective of the micro-batch, on the critical path (no overlap)
+    cp          context parallel: every GEMM and kernel on the rank's s/cp tokens; the attention core in
+                zig-zag half blocks (`context_parallel_core`) or, under Ulysses, the whole sequence on
+                heads/cp; ring passes hidden behind a ring step where the step is longer (`cp_exposed`),
+                Ulysses' all-to-alls exposed
     pp          one send per chunk boundary crossed, forward and backward, on the critical path
 Backward costs twice the forward's matmuls and memory traffic (gradients of inputs and of weights).
 Ranks that outnumber the cores slow compute by the calibrated oversubscription factor, ranks that
