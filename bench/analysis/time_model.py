@@ -403,8 +403,9 @@ def cp_exposed(cfg, items, c: PartCosts, hw: Hardware, links: dict) -> float:
     """Seconds of context parallel's traffic (all micro-batches) not hidden behind the attention core.
     A ring pass posted before a ring step and waited after it (`Traffic.behind`) hides behind that step,
     1/cp of the core's forward or backward: exposed where its transfer is longer, i.e. where a step's
-    attention is too short (NOTES-cp §2's threshold s/cp ≥ g·β·F/B_cp for a balanced step; the
-    ring-attention papers' overlap condition, Liu et al. 2023 §3, Brandon et al. 2023 "Striped Attention").
+    attention is too short (ring attention's overlap condition, Liu et al. 2023, "Ring Attention with
+    Blockwise Transformers", §3: a block's compute must outlast its K/V transfer; for a balanced step
+    NOTES-cp §2's s/cp ≥ g·β·F/B_cp).
     Every other op (the suite ring's backward passes, Ulysses' all-to-alls) waits in full; on a CPU
     whose cores the ranks fill nothing hides (`can_overlap`)."""
     window = {"forward": c.core_f / cfg.cp, "backward": c.core_b / cfg.cp}
