@@ -1,7 +1,7 @@
 """The stage plan of one config: what each pipeline rank holds and runs, worked out once and read
 by the memory, communication and time models (`bench.analysis.memory`, `.comm`, `.estimate`).
 
-Per pipeline rank (its tp·dp peers are alike): the model chunks and their layers, whether it holds
+Per pipeline rank (its tp·cp·dp peers are alike): the model chunks and their layers, whether it holds
 the embedding (chunk 0) or the head (the last chunk), its parameters (its tp shard, before dp
 sharding), and the activations in flight at its peak — read off the action lists its backend runs
 (`bench.schedule`), as is the step's bubble. Per config: how the dp group shards the model state.
