@@ -157,3 +157,16 @@ def test_plan_validation_caches_agree_with_runconfig_under_cp(engines):
                 n += 1
     assert {(2, "ring"), (8, "ring")} <= cps and n > 300
     assert ((2, "ulysses") in cps) == (engines == "suite")
+
+
+def test_ring_and_ulysses_cost_their_own_attention():
+    # the same shape under both algorithms: the ring's zig-zag blocks in fp32, Ulysses' whole sequence on
+    # heads/cp; the time model's per-shape cache must tell them apart
+    from bench.analysis import time_model
+    shape = dict(model="llama3-8b", cp=2, dp=4, seq=32768, micro_batch=1, micro_batches=1, dtype="bf16-mixed")
+    ring = estimate(RunConfig.unchecked(backend="native", **shape), "h100-sxm", 8)
+    ulysses = estimate(RunConfig.unchecked(backend="deepspeed", **shape), "h100-sxm", 8)
+    time_model._COSTS.clear()
+    alone = estimate(RunConfig.unchecked(backend="deepspeed", **shape), "h100-sxm", 8)
+    assert ulysses["compute_s"] == alone["compute_s"] < ring["compute_s"]
+    assert ulysses["comm_cp_all_to_all_ops"] > 0 and ring["comm_cp_send_ops"] > 0

@@ -336,8 +336,8 @@ _COSTS: dict = {}
 def part_costs(cfg, hw: Hardware, impl: str) -> PartCosts:
     """Cached per (profile, shape of the work): the planner asks for the same layers thousands of times."""
     once = casts_weights_once(cfg, impl)
-    key = (id(hw), cfg.model_config, cfg.tp, cfg.cp, cfg.micro_batch, cfg.seq, cfg.sequence_parallel, cfg.dtype,
-           cfg.recompute, cfg.world, impl, once)
+    key = (id(hw), cfg.model_config, cfg.tp, cfg.cp, cfg.cp_comm, cfg.micro_batch, cfg.seq, cfg.sequence_parallel,
+           cfg.dtype, cfg.recompute, cfg.world, impl, once)
     hit = _COSTS.get(key)
     if hit is not None and hit[0] is hw:  # the profile is held by the entry: its id cannot be reused
         return hit[1]
