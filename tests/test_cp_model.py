@@ -164,7 +164,7 @@ def test_ring_and_ulysses_cost_their_own_attention():
     # heads/cp; the time model's per-shape cache must tell them apart
     from bench.analysis import time_model
     shape = dict(model="llama3-8b", cp=2, dp=4, seq=32768, micro_batch=1, micro_batches=1, dtype="bf16-mixed")
-    ring = estimate(RunConfig.unchecked(backend="native", **shape), "h100-sxm", 8)
+    ring = estimate(RunConfig.unchecked(backend="fsdp", **shape), "h100-sxm", 8)
     ulysses = estimate(RunConfig.unchecked(backend="deepspeed", **shape), "h100-sxm", 8)
     time_model._COSTS.clear()
     alone = estimate(RunConfig.unchecked(backend="deepspeed", **shape), "h100-sxm", 8)
