@@ -243,7 +243,7 @@ def composition(cal: Calibration) -> float:
     from bench.analysis import time_model
     from models.config import GPTConfig
     mc = GPTConfig(**REFERENCE_MODEL)
-    shape = SimpleNamespace(model_config=mc, tp=1, micro_batch=1, seq=mc.seq_len, dtype="fp32",
+    shape = SimpleNamespace(model_config=mc, tp=1, cp=1, cp_comm=None, micro_batch=1, seq=mc.seq_len, dtype="fp32",
                             sequence_parallel=False, recompute="none", world=1, backend="ddp")
     hw = profile_from(replace(cal, composition=1.0), None)
     c = time_model.part_costs(shape, hw, "suite")

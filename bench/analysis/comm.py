@@ -17,6 +17,14 @@ What each dimension moves (b sequences × s tokens per micro-batch, hidden h, X 
   all-gathers backward; the head all-gathers forward and reduce-scatters backward), plus, once per
   step, an all-reduce of the gradients of the parameters that see sequence shards (norms,
   row-parallel biases) in fp32.
+- cp (context parallel, issue 24), per layer and micro-batch, on a rank holding s/cp tokens of each
+  sequence, KV_r = 2·b·(s/cp)·(kv_heads/t)·head_dim elements, β the compute dtype's bytes:
+  ring (bench.context_parallel; native, fsdp): forward cp−1 passes of K/V (KV_r·β each), backward cp−1
+  passes of K/V and cp of dK/dV in fp32 (KV_r·4), each pass one send and one recv; Ulysses
+  (deepspeed.sequence.layer.DistributedAttention; deepspeed): one all-to-all each of q, k, v and the
+  output forward and of their gradients backward (payload: the input). Recomputing the attention core
+  (selective, full) runs the forward traffic again. The other dimensions see s/cp tokens (tp, pp), and
+  the gradient reduction and state sharding run over dp·cp ranks (`params.data_ranks`), counted as dp.
 - pp, per micro-batch and boundary: X (÷ t with sequence parallel) forward and the same backward,
   over p−1 boundaries (p·v−1 with the interleaved schedule); averaged over the p ranks.
 - dp, per step: one all-reduce of the local gradients (native, ddp, deepspeed ZeRO-0); ZeRO-1/2:
@@ -36,8 +44,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
-from bench.analysis.memory import block_params_local, precision
+from bench.analysis.memory import block_params_local, precision, rank_tokens
 from bench.analysis.params import (
+    data_ranks,
     deepspeed_bf16_optimizer,
     deepspeed_settings,
     deepspeed_zero3_split,
@@ -62,6 +71,8 @@ class Traffic:
     group: int  # ranks in the group
     what: str
     per: str = "micro-batch"  # "micro-batch" (on the pipeline's critical path) or "step"
+    behind: str = ""  # "forward" / "backward": each op is a ring pass posted before one ring step of the
+    # attention core's forward / backward and waited after it (hidden behind that step); "": not overlapped
 
     @property
     def total(self) -> float:
@@ -86,7 +97,7 @@ def tp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     if t == 1:
         return []
     layers, first, last = rank.layers, rank.first, rank.last
-    x, mb = cfg.micro_batch * cfg.seq * m.hidden, cfg.micro_batches
+    x, mb = rank_tokens(cfg) * m.hidden, cfg.micro_batches
     # Full recomputation (torch.utils.checkpoint per block over the native layers) re-runs each block's forward in
     # backward, collectives included, up to the last saved tensor: the attention region's exit and
     # both region entries again, not the MLP's exit (checkpoint stops once everything is recomputed).
@@ -119,7 +130,7 @@ def tp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
         _, n_sp = plan.buckets(stage)
         out.append(Traffic("tp", "all_reduce", n_sp * FP32, 1, t, "sequence-parallel param grads (fp32)", "step"))
     if last:
-        out.append(Traffic("tp", "all_reduce", cfg.micro_batch * cfg.seq * FP32, 3 * mb, t,
+        out.append(Traffic("tp", "all_reduce", rank_tokens(cfg) * FP32, 3 * mb, t,
                            "vocab-parallel cross-entropy (fwd)"))
     return out
 
@@ -129,7 +140,7 @@ def pp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     if cfg.pp == 1:
         return []
     m, prec = cfg.model_config, precision(cfg.dtype, mixed_state)
-    msg = cfg.micro_batch * cfg.seq * m.hidden * prec.comm_pp / (cfg.tp if cfg.sequence_parallel else 1)
+    msg = rank_tokens(cfg) * m.hidden * prec.comm_pp / (cfg.tp if cfg.sequence_parallel else 1)
     mine = plan.ranks[stage].chunks
     fwd = sum(1 for c in mine if c < plan.n_chunks - 1)
     bwd = sum(1 for c in mine if c > 0)
@@ -145,9 +156,42 @@ def pp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     return out
 
 
+def cp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
+    """Context parallel's attention core, per layer and micro-batch (module docstring): the ring's
+    passes of K/V (and dK/dV) or Ulysses' all-to-alls. Recomputation that re-runs the core (selective,
+    full) runs its forward traffic again in backward."""
+    cfg = plan.cfg
+    c = cfg.cp
+    if c == 1:
+        return []
+    m, e = cfg.model_config, precision(cfg.dtype, mixed_state).act  # q, k, v reach the core in the compute dtype
+    tokens, t = rank_tokens(cfg), cfg.tp
+    kv = 2 * tokens * (m.num_kv_heads // t) * m.head_dim  # KV_r: this rank's K and V elements
+    passes = plan.ranks[stage].layers * cfg.micro_batches
+    rerun = passes if cfg.recompute in ("selective", "full") else 0
+    if cfg.cp_comm == "ulysses":  # one all-to-all per q, k, v and the output, each way
+        q = tokens * (m.heads // t) * m.head_dim
+        out = []
+        for what, calls in (("forward", passes), ("recomputed forward", rerun), ("backward (their gradients)", passes)):
+            if calls:
+                out += [Traffic("cp", "all_to_all", q * e, 2 * calls, c, f"queries and outputs, {what}"),
+                        Traffic("cp", "all_to_all", kv / 2 * e, 2 * calls, c, f"keys and values, {what}")]
+        return out
+    # each pass is one send and one recv of a flat buffer to the next / from the previous cp rank
+    # the forward prefetches the next K/V behind the block in hand; the backward's dK/dV are ready only
+    # after their block, so its passes wait
+    sends = [Traffic("cp", "send", kv * e, (c - 1) * calls, c, what, behind=behind) for what, calls, behind in
+             (("K/V round the ring (fwd)", passes, "forward"),
+              ("K/V round the ring (recomputed fwd)", rerun, "forward"),
+              ("K/V round the ring again (bwd)", passes, "")) if calls]
+    sends.append(Traffic("cp", "send", kv * FP32, c * passes, c, "dK/dV partial sums, fp32, the last pass home (bwd)"))
+    return sends + [Traffic("cp", "recv", 0, sum(tr.ops for tr in sends), c, "receives (counted as ops)")]
+
+
 def dp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     cfg = plan.cfg
-    if cfg.dp == 1:
+    n_dp = data_ranks(cfg)
+    if n_dp == 1:
         return []
     grad_b, param_b = _bytes_per_param(cfg, mixed_state)
     layout = engine(cfg).data_parallel
@@ -161,14 +205,14 @@ def dp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     grads, params = n * grad_b, n * param_b
     what = plan.sharding
     if what == "none":  # ddp
-        return [Traffic("dp", "all_reduce", grads, 1, cfg.dp, "gradients", "step")]
+        return [Traffic("dp", "all_reduce", grads, 1, n_dp, "gradients", "step")]
     if what in ("optimizer", "grads"):  # ZeRO-1/2 (ZeRO paper §7: the same volume as an all-reduce)
-        return [Traffic("dp", "reduce_scatter", grads, 1, cfg.dp, "gradients", "step"),
-                Traffic("dp", "all_gather", params, 1, cfg.dp, "updated parameters", "step")]
+        return [Traffic("dp", "reduce_scatter", grads, 1, n_dp, "gradients", "step"),
+                Traffic("dp", "all_gather", params, 1, n_dp, "updated parameters", "step")]
     blocks = plan.ranks[stage].layers * block_params_local(cfg.model_config, cfg.tp)
     mb = cfg.micro_batches  # ZeRO-3: parameters gathered forward and backward every micro-batch
-    return [Traffic("dp", "all_gather", (n + blocks) * param_b, mb, cfg.dp, "parameters"),
-            Traffic("dp", "reduce_scatter", grads, mb, cfg.dp, "gradients")]
+    return [Traffic("dp", "all_gather", (n + blocks) * param_b, mb, n_dp, "parameters"),
+            Traffic("dp", "reduce_scatter", grads, mb, n_dp, "gradients")]
 
 
 def _deepspeed_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
@@ -177,7 +221,7 @@ def _deepspeed_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
     partitions the fp32 master the same way): gradients all-reduced (ZeRO-2 after every
     micro-batch), the per-step scalars, the updated partitions all-gathered. ZeRO-3:
     `_deepspeed_zero3`. The pipeline engine also averages the loss over dp on the last stage."""
-    cfg = plan.cfg
+    cfg, n_dp = plan.cfg, data_ranks(plan.cfg)
     if cfg.zero == 3:
         return _deepspeed_zero3(plan, stage, grad_b, param_b)
     n = plan.ranks[stage].params
@@ -185,24 +229,24 @@ def _deepspeed_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
     buckets = 1  # ZeRO-0: one all-reduce of the flat gradients
     if cfg.zero:  # ZeRO-1/2: through the ipg bucket (reduce_bucket_size), flushed before it would overflow
         buckets = _greedy_buckets(tuple(plan.param_sizes(stage)[::-1]), deepspeed_settings(cfg)["reduce_bucket_size"])
-    out = [Traffic("dp", "all_reduce", n * grad_b / buckets, rounds * buckets, cfg.dp, "gradients", "step")]
+    out = [Traffic("dp", "all_reduce", n * grad_b / buckets, rounds * buckets, n_dp, "gradients", "step")]
     if cfg.zero or deepspeed_bf16_optimizer(cfg):
-        out += [*_deepspeed_scalars(cfg, "dp", cfg.dp),
-                Traffic("dp", "all_gather", n * param_b, 1, cfg.dp, "updated parameters", "step")]
+        out += [*_deepspeed_scalars(cfg, "dp", n_dp),
+                Traffic("dp", "all_gather", n * param_b, 1, n_dp, "updated parameters", "step")]
     if cfg.pp > 1 and stage == cfg.pp - 1:
-        out.append(Traffic("dp", "all_reduce", FP32, 1, cfg.dp, "loss", "step"))
+        out.append(Traffic("dp", "all_reduce", FP32, 1, n_dp, "loss", "step"))
     return out
 
 
 def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
     """DeepSpeed ZeRO-3 (`deepspeed_zero3_split` says which parameters stay whole)."""
-    cfg, mb = plan.cfg, plan.cfg.micro_batches
+    cfg, mb, n_dp = plan.cfg, plan.cfg.micro_batches, data_ranks(plan.cfg)
     kept, parted = deepspeed_zero3_split(plan, stage)
     kept_padded, parted_padded = zero3_padded_sums(plan, stage)
     ds = deepspeed_settings(cfg)
     out = []
     if kept:  # persistent parameters: whole on every rank, re-gathered one by one after the step
-        out.append(Traffic("dp", "all_gather", sum(kept) * param_b / len(kept), len(kept), cfg.dp,
+        out.append(Traffic("dp", "all_gather", sum(kept) * param_b / len(kept), len(kept), n_dp,
                            "persistent parameters", "step"))
     if parted:  # gathered by DeepSpeed's prefetcher, replayed in `zero3_prefetch_gathers`; kept
         # gathered until the micro-batch ends (max_reuse_distance), so backward gathers nothing again
@@ -211,15 +255,15 @@ def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffi
             total = parted_padded
             k = _buckets(total, ds["stage3_prefetch_bucket_size"])
             gathers = [total / k] * k
-        out.append(Traffic("dp", "all_gather", sum(gathers) * param_b / len(gathers), len(gathers) * mb, cfg.dp,
+        out.append(Traffic("dp", "all_gather", sum(gathers) * param_b / len(gathers), len(gathers) * mb, n_dp,
                            "partitioned parameters (prefetched)"))
     # every gradient, persistent or not, is reduce-scattered during each micro-batch's backward
     # through the ipg bucket, which is flushed before a gradient that would overflow it
     grads = kept_padded + parted_padded
     per_mb = _greedy_buckets(tuple(plan.param_sizes(stage)[::-1]), ds["reduce_bucket_size"])
-    out += [Traffic("dp", "reduce_scatter", grads * grad_b / per_mb, per_mb * mb, cfg.dp, "gradients"),
+    out += [Traffic("dp", "reduce_scatter", grads * grad_b / per_mb, per_mb * mb, n_dp, "gradients"),
             # the overflow / gradient-norm check: one fp64 scalar
-            *_deepspeed_scalars(cfg, "dp", cfg.dp)]
+            *_deepspeed_scalars(cfg, "dp", n_dp)]
     return out
 
 
@@ -253,7 +297,7 @@ def _deepspeed_tp(plan, stage: int) -> list[Traffic]:
         out += _deepspeed_scalars(cfg, "tp", t, model_parallel=True)
     ds = deepspeed_settings(cfg)
     if cfg.pp > 1 and ds["pipe_partitioned"]:
-        numel = cfg.micro_batch * cfg.seq * cfg.model_config.hidden
+        numel = rank_tokens(cfg) * cfg.model_config.hidden
         gathers = (not rank.first) + (not rank.last) * (1 + ds["grad_partitioned"])
         if gathers:
             out += _partitioned_full(numel, precision(cfg.dtype).comm_pp, gathers * mb, t)
@@ -319,14 +363,14 @@ def _deepspeed_pp(plan, msg: float, fwd: int, bwd: int) -> list[Traffic]:
 def _native_dp(plan, stage: int) -> list[Traffic]:
     """bench.native: one flat fp32 buffer per bucket (+ the sequence-parallel bucket), reduced once
     per step; ZeRO-1 pads each bucket to a multiple of dp, reduce-scatters it and all-gathers it."""
-    cfg, (buckets, n_sp) = plan.cfg, plan.buckets(stage)
+    cfg, (buckets, n_sp), n_dp = plan.cfg, plan.buckets(stage), data_ranks(plan.cfg)
     sizes = [b for b in (*buckets, n_sp) if b]
     if not cfg.zero:
-        return [Traffic("dp", "all_reduce", FP32 * sum(sizes) / len(sizes), len(sizes), cfg.dp, "gradient buckets",
+        return [Traffic("dp", "all_reduce", FP32 * sum(sizes) / len(sizes), len(sizes), n_dp, "gradient buckets",
                         "step")]
     padded = plan.padded_buckets(stage) * FP32 / len(sizes)
-    return [Traffic("dp", "reduce_scatter", padded, len(sizes), cfg.dp, "gradient buckets", "step"),
-            Traffic("dp", "all_gather", padded, len(sizes), cfg.dp, "updated parameters", "step")]
+    return [Traffic("dp", "reduce_scatter", padded, len(sizes), n_dp, "gradient buckets", "step"),
+            Traffic("dp", "all_gather", padded, len(sizes), n_dp, "updated parameters", "step")]
 
 
 def _fsdp_gathers(kind: str, mode: str, mb: int, pp: int) -> int:
@@ -348,7 +392,7 @@ def _fsdp_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
     if mode == "none":  # FSDP2 replicate: one gradient all-reduce per group
         groups = plan.fsdp_groups(stage, 1)
         total = sum(n for _, n in groups) * grad_b
-        return [Traffic("dp", "all_reduce", total / len(groups), len(groups), cfg.dp, "gradients", "step")]
+        return [Traffic("dp", "all_reduce", total / len(groups), len(groups), data_ranks(cfg), "gradients", "step")]
     shard = plan.shard  # dp, or HSDP's shard group
     sizes = plan.fsdp_groups(stage, shard)
     groups = sizes
@@ -357,20 +401,20 @@ def _fsdp_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
     total = sum(n for _, n in sizes)
     out = [Traffic("dp", "all_gather", gathered * param_b / sum(counts), sum(counts), shard, "parameters"),
            Traffic("dp", "reduce_scatter", total * grad_b / len(groups), len(groups), shard, "gradients", "step")]
-    if shard < cfg.dp:  # HSDP: each shard's reduced gradients all-reduced across the replicas
+    if shard < data_ranks(cfg):  # HSDP: each shard's reduced gradients all-reduced across the replicas
         out.append(Traffic("dp", "all_reduce", total * grad_b / shard / len(groups), len(groups),
-                           cfg.dp // shard, "gradient shards across replicas", "step"))
+                           data_ranks(cfg) // shard, "gradient shards across replicas", "step"))
     return out
 
 
 def stage_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     """Everything one rank of pipeline stage `stage` sends (plan: bench.analysis.stage_plan)."""
-    return tp_traffic(plan, stage, mixed_state) + pp_traffic(plan, stage, mixed_state) + \
-        dp_traffic(plan, stage, mixed_state)
+    return tp_traffic(plan, stage, mixed_state) + cp_traffic(plan, stage, mixed_state) + \
+        pp_traffic(plan, stage, mixed_state) + dp_traffic(plan, stage, mixed_state)
 
 
 def comm_summary(plan, mixed_state: str = "zero") -> dict:
-    """Row columns like the worker's, averaged over ranks (every stage has tp·dp ranks)."""
+    """Row columns like the worker's, averaged over ranks (every stage has tp·cp·dp ranks)."""
     cfg = plan.cfg
     out: dict[str, float] = defaultdict(float, dict.fromkeys(comm_columns(), 0.0))
     for stage in range(cfg.pp):

@@ -25,13 +25,13 @@ from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memo
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import step_terms
 from bench.capabilities import engine
-from bench.layout import Layout
+from bench.layout import DIMS, Layout
 from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
 
 
-CANDIDATE_FIELDS = ("model", "tp", "pp", "dp", "backend", "order", "zero", "fsdp", "schedule", "virtual_stages",
-                    "micro_batch", "micro_batches", "seq", "dtype", "sequence_parallel", "recompute", "bucket_mb",
+CANDIDATE_FIELDS = ("model", "tp", "cp", "cp_comm", "pp", "dp", "backend", "order", "zero", "fsdp", "schedule",
+                    "virtual_stages", "micro_batch", "micro_batches", "seq", "dtype", "sequence_parallel", "recompute", "bucket_mb",
                     "model_overrides")
 """The RunConfig fields the cost model reads: what a planner candidate or a published run chooses (each
 built with `RunConfig.unchecked`, the rest at their defaults)."""
@@ -97,9 +97,16 @@ def crosses_nodes(tp: int, pp: int, dp: int, order: str, gpus_per_node: int, dim
     return Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=order, gpus_per_node=gpus_per_node).any_group_crosses_node(dim)
 
 
+def _spans_nodes(cfg, dim: str, gpus_per_node: int) -> bool:
+    """Whether the group a `dim` collective runs over spans nodes: the dp traffic runs over dp × cp
+    (the gradient's group), so it leaves a node where its dp or its cp part does."""
+    return any(crosses_nodes(cfg.tp, cfg.pp, cfg.dp, cfg.order, gpus_per_node, d, cfg.cp)
+               for d in ((dim, "cp") if dim == "dp" else (dim,)))
+
+
 def link(cfg, hw: Hardware, dim: str, gpus_per_node: int) -> tuple[float, float, str]:
     """(bandwidth a ring collective reaches, latency, name) of the links a `dim` group uses."""
-    if crosses_nodes(cfg.tp, cfg.pp, cfg.dp, cfg.order, gpus_per_node, dim, cfg.cp):
+    if _spans_nodes(cfg, dim, gpus_per_node):
         return hw.inter_node_bw * hw.inter_node_efficiency, hw.inter_node_latency_s, "network"
     return hw.intra_node_bw * hw.intra_node_efficiency, hw.intra_node_latency_s, "nvlink"
 
@@ -111,13 +118,13 @@ def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str | None = None, 
     cfg, g = plan.cfg, plan.gpus_per_node or hw.gpus_per_node
     mixed_state, _, default_impl = conventions(cfg, mixed_state)
     impl = impl or default_impl
-    links = {d: link(cfg, hw, d, g) for d in ("tp", "pp", "dp")}
+    links = {d: link(cfg, hw, d, g) for d in DIMS if d != "cp" or cfg.cp > 1}  # a cp link only where cp is
     t = step_terms(plan, hw, {d: links[d][:2] for d in links}, impl, mixed_state)
     step = t["step_time_s"]
-    exposed = t["comm_exposed_tp_s"] + t["comm_exposed_pp_s"] + t["comm_exposed_dp_s"]
+    exposed = t["comm_exposed_tp_s"] + t["comm_exposed_cp_s"] + t["comm_exposed_pp_s"] + t["comm_exposed_dp_s"]
     model_flops = model_flops_per_step(cfg)
     return {"hardware": hw.name, **t, "exposed_comm_s": exposed, "comm_tp_s": t["comm_exposed_tp_s"],
-            "comm_pp_s": t["comm_exposed_pp_s"], "comm_dp_s": t["comm_dp_total_s"], "comm_dp_exposed_s": t["comm_exposed_dp_s"],
+            "comm_cp_s": t["comm_exposed_cp_s"], "comm_pp_s": t["comm_exposed_pp_s"], "comm_dp_s": t["comm_dp_total_s"], "comm_dp_exposed_s": t["comm_exposed_dp_s"],
             "links": {d: links[d][2] for d in links}, "tokens_per_s": cfg.tokens_per_step / step,
             "mfu": model_flops / cfg.world / (step * hw.peak(cfg.dtype)),
             "calibrated": hw.calibration is not None}
@@ -176,7 +183,7 @@ def row_hardware(device_name: str | None) -> Hardware | None:
 
 
 TIME_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "overhead_s", "comm_exposed_s", "comm_exposed_tp_s",
-             "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s", "optimizer_s")
+             "comm_exposed_cp_s", "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s", "optimizer_s")
 
 
 def _predict_row(cfg, device_name: str | None = None, hardware: Hardware | None = None,

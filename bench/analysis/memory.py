@@ -12,6 +12,11 @@ ZeRO-3 (FSDP full) + parameters; FSDP hybrid shards within a group of `hybrid_sh
 ZeRO-3/FSDP additionally hold gathered parameters during the step (`step_peak`: FSDP2 its root and
 the blocks in backward, ZeRO-3 every partitioned parameter it fits under its live-parameter limits).
 
+Context parallel (cp): a rank holds s/cp tokens of each sequence, so every per-token activation term,
+the logits and the loss divide by cp (Korthikanti's terms and this suite's alike), its ring attention
+adds its buffers to a block's backward (`context_parallel_bytes`), and the model state is sharded over
+the dp·cp ranks where the engine shards (ZeRO ≥ 1, FSDP: `params.data_ranks`).
+
 Tensor parallel (Megatron's split): qkv and fc1 column-parallel (weights and biases ÷ t), proj
 and fc2 row-parallel (weights ÷ t, biases replicated), norms replicated, token embedding and LM
 head vocab-parallel (÷ t), learned position table replicated. Stage 0 holds the embeddings, the
@@ -48,6 +53,7 @@ from functools import lru_cache, wraps
 from operator import attrgetter
 
 from bench.analysis.params import (
+    data_ranks,
     deepspeed_bf16_optimizer,
     deepspeed_settings,
     deepspeed_zero3_split,
@@ -161,26 +167,33 @@ def rank_params(m: GPTConfig, tp: int, pp: int, layers: int, first: bool, last: 
 
 # --- sharding ------------------------------------------------------------------------------------
 def sharding(cfg, gpus_per_node: int | None = None) -> tuple[str, int]:
-    """(what is sharded over dp: none | optimizer | grads | params, over how many ranks)."""
+    """(what is sharded over the dp·cp ranks (`data_ranks`): none | optimizer | grads | params, over how
+    many ranks)."""
     if engine(cfg).shards_by == "fsdp-mode":
         mode = cfg.fsdp
         what = FSDP_SHARDS[mode]
         if what == "none":
             return "none", 1
-        return what, hybrid_shard(cfg, gpus_per_node) if mode == "hybrid" else cfg.dp
-    return ZERO_SHARDS[cfg.zero], (cfg.dp if cfg.zero else 1)
+        return what, hybrid_shard(cfg, gpus_per_node) if mode == "hybrid" else data_ranks(cfg)
+    return ZERO_SHARDS[cfg.zero], (data_ranks(cfg) if cfg.zero else 1)
 
 
 def hybrid_shard(cfg, gpus_per_node: int | None = None) -> int:
-    """FSDP hybrid (bench.backends.fsdp.hybrid_shape): the largest divisor of dp below dp
-    that fits the dp ranks of one node (all of them when `gpus_per_node` is None: one machine)."""
-    per_node = cfg.dp if gpus_per_node is None else _dp_ranks_per_node(cfg, gpus_per_node)
-    return max((d for d in range(1, cfg.dp) if cfg.dp % d == 0 and d <= max(per_node, 1)), default=1)
+    """FSDP hybrid (bench.backends.fsdp.hybrid_shape): the largest divisor of the dp·cp ranks below
+    them that fits those of one node (all of them when `gpus_per_node` is None: one machine)."""
+    n = data_ranks(cfg)
+    per_node = n if gpus_per_node is None else _dp_ranks_per_node(cfg, gpus_per_node)
+    return max((d for d in range(1, n) if n % d == 0 and d <= max(per_node, 1)), default=1)
 
 
 def _dp_ranks_per_node(cfg, gpus_per_node: int) -> int:
-    stride = cfg.tp * (cfg.pp if cfg.order == "tp-pp-dp" else 1)  # distance between dp neighbours
-    return max(1, min(cfg.dp, gpus_per_node // stride))
+    """Ranks of one dp·cp group in a node: the cp ranks sit next to the tp ranks (bench.layout), the dp
+    neighbours `stride` apart."""
+    inner = cfg.tp * cfg.cp
+    if gpus_per_node <= inner:
+        return max(1, gpus_per_node // cfg.tp)
+    stride = inner * (cfg.pp if cfg.order in ("tp-pp-dp", "tp-cp-pp-dp") else 1)  # distance between dp neighbours
+    return cfg.cp * max(1, min(cfg.dp, gpus_per_node // stride))
 
 
 # --- activations ---------------------------------------------------------------------------------
@@ -202,9 +215,13 @@ class ActivationModel:
 
 @lru_cache(maxsize=65536)
 def layer_activation_bytes(m: GPTConfig, b: int, s: int, tp: int = 1, sp: bool = False,
-                           recompute: str = "none", e: int = 2, act: ActivationModel = ActivationModel()) -> float:
-    """Bytes one layer saves for backward for one micro-batch on one tp rank (see module docstring)."""
-    h, a, f, tokens = m.hidden, m.heads, m.ffn_hidden, s * b
+                           recompute: str = "none", e: int = 2, act: ActivationModel = ActivationModel(),
+                           cp: int = 1) -> float:
+    """Bytes one layer saves for backward for one micro-batch on one tp rank (see module docstring).
+    Context parallel: the rank holds s/cp of every sequence, so every per-token term divides by cp, and
+    its attention is a fused ring (TE's, which Megatron's CP requires, or this suite's): no score matrix
+    is saved, only the fp32 log-sum-exp, as a fused kernel's."""
+    h, a, f, tokens = m.hidden, m.heads, m.ffn_hidden, s * b // cp
     if recompute == "full":
         return e * tokens * h / (tp if sp else 1)
     mask = 1 if act.dropout else 0  # 1-byte dropout masks
@@ -213,8 +230,9 @@ def layer_activation_bytes(m: GPTConfig, b: int, s: int, tp: int = 1, sp: bool =
     mlp = e * (4 * f if m.activation == "swiglu" else 2 * f)  # gelu: fc1 out + fc2 in; swiglu: + gate
     kv = m.num_kv_heads * m.head_dim  # = h without grouped-query attention
     split = e * (2 * h + 2 * kv) + mlp  # Q, K, V, proj input, MLP internals
-    if recompute == "selective" or act.flash:
-        scores = 4 * a if act.flash and recompute != "selective" else 0  # fused kernel: fp32 log-sum-exp
+    fused = act.flash or cp > 1
+    if recompute == "selective" or fused:
+        scores = 4 * a if fused and recompute != "selective" else 0  # fused kernel: fp32 log-sum-exp
     else:
         scores = a * s * (e + mask * (1 + e))  # softmax out, dropout mask, dropout out
     per_token = (replicated / tp if sp else replicated) + split / tp + scores / tp
@@ -251,6 +269,34 @@ def loss_backward_bytes(m: GPTConfig, tokens: int, tp: int) -> float:
     return tokens * 2 * 4 * m.vocab / tp
 
 
+def rank_tokens(cfg) -> int:
+    """Tokens of one micro-batch a rank holds: its 1/cp share of each sequence (two zig-zag chunks)."""
+    return cfg.micro_batch * cfg.seq // cfg.cp
+
+
+def context_parallel_bytes(cfg) -> float:
+    """What the attention core holds beside the saved activations in a block's backward under context
+    parallel (0 at cp = 1), per tp rank; Q_r, KV_r are the rank's query and K/V elements:
+    - ring (`bench.context_parallel.RingAttention.backward`): the K/V in hand and the ones being received
+      (2·KV_r·β), the dK/dV partial sums in hand and received (2·KV_r fp32), the fp32 copies of K/V, Q and
+      the output's gradient it computes in (when β < 4), the fp32 dQ accumulator, and one half block's
+      scores, probabilities and their gradient (3 × b·(heads/t)·chunk² fp32, chunk = s/(2·cp));
+    - ulysses (`deepspeed.sequence.layer.DistributedAttention`): each all-to-all's input and output of
+      Q, K, V and the core's output, β each."""
+    if cfg.cp == 1:
+        return 0.0
+    m, e, t = cfg.model_config, precision(cfg.dtype).act, cfg.tp
+    tokens = rank_tokens(cfg)
+    q = tokens * m.heads // t * m.head_dim
+    kv = 2 * tokens * m.num_kv_heads // t * m.head_dim
+    if cfg.cp_comm == "ulysses":
+        return 2 * (2 * q + kv) * e
+    copies = 4 if e < 4 else 0  # computed in fp32: a copy unless the inputs are fp32
+    chunk = cfg.seq // (2 * cfg.cp)
+    block = cfg.micro_batch * m.heads // t * chunk * chunk
+    return kv * (2 * e + 2 * 4 + copies) + q * (4 + 2 * copies) + 3 * block * 4
+
+
 def layer_backward_bytes(m: GPTConfig, tokens: int, tp: int, e: int) -> float:
     """A block's backward working set beside its saved activations, at its largest (the MLP): the
     gradient of the fc2 input and of the fc1 output (twice the width for swiglu's gate and up)."""
@@ -265,16 +311,16 @@ def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationMod
     cfg, rank = plan.cfg, plan.ranks[stage]
     m, prec, eng = cfg.model_config, precision(cfg.dtype, mixed_state), engine(cfg)
     per_layer = layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel,
-                                       cfg.recompute, prec.act, act)
+                                       cfg.recompute, prec.act, act, cp=cfg.cp)
     # an engine computing in gathered bf16 parameters (FSDP2's MixedPrecisionPolicy) saves no autocast copies
     autocast = act.name == "suite" and mixed_state == "autocast" and cfg.dtype != "fp32" and eng.autocast_copies
     # the bf16 weight copies: per micro-batch in flight, unless the engine holds one for the step
     # (recomputation reuses it too)
     per_step = autocast and eng.casts_weights_once
     if autocast and cfg.recompute != "full":
-        per_layer += _autocast_norm_inputs(m, cfg.micro_batch * cfg.seq, cfg.tp, cfg.sequence_parallel)
+        per_layer += _autocast_norm_inputs(m, rank_tokens(cfg), cfg.tp, cfg.sequence_parallel)
         per_layer += 0.0 if per_step else _autocast_weight_copies(m, cfg.tp)
-    head = head_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, prec.act,
+    head = head_activation_bytes(m, cfg.micro_batch, cfg.seq // cfg.cp, cfg.tp, cfg.sequence_parallel, prec.act,
                                  logits_saved=not act.flash)
     head_copy = 2 * head_params_local(m, cfg.tp, cfg.pp) if autocast else 0.0  # saved for its backward
     head += 0.0 if per_step else head_copy
@@ -297,27 +343,27 @@ def step_peak(plan, stage: int, prec: Precision, act: ActivationModel, held: flo
     of the moments the step passes through, less the state the backend frees before them.
     - the loss's backward (last stage): every activation held, the loss's gradients;
     - a block's backward: the activations held (the head's freed), the block's working set (full
-      recompute: the block's activations recomputed), the gradients backward has already made (the
+      recompute: the block's activations recomputed; context parallel: `context_parallel_bytes`), the gradients backward has already made (the
       head's), gathered parameters, ZeRO-1/2's reduction bucket;
     - ZeRO-3, the end of the forward: the gathered parameters and the all-gather's flat buffer;
     - DeepSpeed's gradient reduction after backward (ZeRO-0 at dp > 1, ZeRO-1/2): the gradients and
       their copy in the reduction bucket (activations freed); ZeRO-3's reduce-scatter of them likewise."""
     cfg, rank, m = plan.cfg, plan.ranks[stage], plan.cfg.model_config
-    tokens, zero_partitions = cfg.micro_batch * cfg.seq, engine(cfg).data_parallel == "zero-partitions"
+    tokens, zero_partitions = rank_tokens(cfg), engine(cfg).data_parallel == "zero-partitions"
     at_loss, in_blocks = _gathered(plan, stage, prec)
-    work = layer_backward_bytes(m, tokens, cfg.tp, prec.act)
+    work = layer_backward_bytes(m, tokens, cfg.tp, prec.act) + context_parallel_bytes(cfg)
     if cfg.recompute == "full":
         work += layer_activation_bytes(m, cfg.micro_batch, cfg.seq, cfg.tp, cfg.sequence_parallel, "none",
-                                       prec.act, act)
+                                       prec.act, act, cp=cfg.cp)
     made = head_params_local(m, cfg.tp, cfg.pp) * prec.grad if rank.last and _grads_made_by_backward(cfg) else 0
     bucket = _zero12_bucket_bytes(plan, prec) if zero_partitions and cfg.zero in (1, 2) else 0.0
     moments = [held - head_held + work + made + in_blocks + bucket]  # the head's backward freed its activations
     if rank.last:
         moments.append(held + loss_backward_bytes(m, tokens, cfg.tp) + at_loss)
-    if zero_partitions and cfg.zero == 3 and cfg.dp > 1:
+    if zero_partitions and cfg.zero == 3 and data_ranks(cfg) > 1:
         moments += [held - head_held + _zero3_gather_bytes(plan, stage, prec),
                     _zero3_reduction_bytes(plan, stage, prec)]
-    if zero_partitions and (cfg.zero in (1, 2) or (cfg.zero == 0 and cfg.dp > 1)):
+    if zero_partitions and (cfg.zero in (1, 2) or (cfg.zero == 0 and data_ranks(cfg) > 1)):
         moments.append(_zero12_reduction_bytes(plan, stage, prec))
     return max(0.0, max(moments) - _released(plan, state))
 
@@ -348,7 +394,7 @@ def _gathered(plan, stage: int, prec: Precision) -> tuple[float, float]:
     unsharded gradients are reduce-scattered after it (grad-op: every block stays gathered).
     ZeRO-3: the gathered parameters stay resident until backward has used them (`_zero3_resident`)."""
     cfg, layout = plan.cfg, engine(plan.cfg).data_parallel
-    if layout == "zero-partitions" and cfg.zero == 3 and cfg.dp > 1:
+    if layout == "zero-partitions" and cfg.zero == 3 and data_ranks(cfg) > 1:
         resident = _zero3_resident(plan, stage) * prec.param
         return resident, resident
     if layout != "dim0-shards" or plan.sharding != "params":
@@ -399,7 +445,7 @@ def _zero3_reduction_bytes(plan, stage: int, prec: Precision) -> float:
     bucket by bucket): the gradients, the flat input reduce_scatter_coalesced builds from them and the
     partitions it returns (1/dp of them), all in the gradients' dtype."""
     n = min(plan.ranks[stage].params, deepspeed_settings(plan.cfg)["reduce_bucket_size"])
-    return n * (2 + 1 / plan.cfg.dp) * prec.grad
+    return n * (2 + 1 / data_ranks(plan.cfg)) * prec.grad
 
 
 @state_memo
@@ -440,7 +486,7 @@ def model_state(plan, stage: int, prec: Precision) -> dict:
         # gradients of another; the optimizer steps on this rank's 1/dp of the parameter buffer in
         # place (no copy: the engine keeps fp32 weights under autocast too), so it owns only Adam's m, v
         padded = plan.padded_buckets(stage)
-        return _state(padded, padded, padded / cfg.dp, prec)
+        return _state(padded, padded, padded / data_ranks(cfg), prec)
     dp_, dg, do = plan.state_divisors
     return _state(n / dp_, n / dg, n / do, prec)
 
@@ -468,7 +514,7 @@ def _deepspeed_state(plan, stage: int, prec: Precision) -> dict:
       parameter itself, one copy). The optimizer's fp32 partition copy, its gradient and Adam's
       m, v as at ZeRO-1/2.
     Mixed precision: low-precision parameters (`prec.param`), fp32 master, gradient partition and Adam."""
-    cfg, n, dp = plan.cfg, plan.ranks[stage].params, plan.cfg.dp
+    cfg, n, dp = plan.cfg, plan.ranks[stage].params, data_ranks(plan.cfg)
     adam, fp32 = 8, 4
     if cfg.zero == 0 and not deepspeed_bf16_optimizer(cfg):  # mixed: whole fp32 masters and grads
         return {"params_bytes": n * prec.param, "grads_bytes": n * fp32, "optimizer_bytes": n * prec.optimizer}

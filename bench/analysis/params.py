@@ -22,6 +22,14 @@ from models.config import GPTConfig, ParamSpec, block_table, embed_table, final_
 Param = tuple[str, tuple[int, ...], bool]
 
 
+def data_ranks(cfg) -> int:
+    """The ranks that hold the same parameters and reduce their gradients together: dp × cp (each cp
+    rank trained on a share of the same sequences; Megatron's data-parallel group with context parallel,
+    DeepSpeed's sequence-data-parallel group, torchtitan's FSDP mesh dp_shard × cp). Every dp-sized
+    gradient reduction and state shard of the cost model is over these ranks."""
+    return cfg.dp * cfg.cp
+
+
 def _local(spec: ParamSpec, tp: int, vocab_parallel: bool) -> Param:
     """`spec` as one of `tp` ranks holds it; vocab_parallel False keeps vocab-split tables whole."""
     if spec.tp == "replicated" or (spec.tp == "vocab" and not vocab_parallel):
@@ -178,7 +186,7 @@ def zero3_padded_sums(plan, stage: int) -> tuple[int, int]:
     """(elements of the persistent, of the partitioned parameters of a rank) each padded to a multiple
     of dp (`zero3_padded`); cached per rank shape and dp."""
     threshold = deepspeed_settings(plan.cfg)["stage3_param_persistence_threshold"]
-    return _zero3_padded_sums(*plan._key(stage), threshold, plan.cfg.dp)
+    return _zero3_padded_sums(*plan._key(stage), threshold, data_ranks(plan.cfg))
 
 
 @lru_cache(maxsize=65536)
@@ -209,7 +217,7 @@ def zero3_prefetch_gathers(plan, stage: int) -> tuple[int, ...] | None:
     (the stage's parameters exceed stage3_max_live_parameters or stage3_max_reuse_distance).
     Cached per rank shape, dp and the settings it reads."""
     ds = deepspeed_settings(plan.cfg)
-    return _zero3_prefetch_gathers(*plan._key(stage), plan.cfg.dp, ds["stage3_prefetch_bucket_size"],
+    return _zero3_prefetch_gathers(*plan._key(stage), data_ranks(plan.cfg), ds["stage3_prefetch_bucket_size"],
                                    min(ds["stage3_max_live_parameters"], ds["stage3_max_reuse_distance"]),
                                    ds["stage3_param_persistence_threshold"])
 

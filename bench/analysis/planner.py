@@ -1,8 +1,9 @@
 """The planner: every valid parallel config for a model, cluster and batch, ranked by predicted
 throughput.
 
-Enumerated: tp (dividing kv heads, ffn, vocab and the GPU count), pp (dividing what is left, ≤ layers),
-dp = gpus / (tp·pp) dividing the global batch; the micro-batch size b (m = B / (dp·b)); the
+Enumerated: tp (dividing kv heads, ffn, vocab and the GPU count), cp (context parallel, dividing what is
+left, for long sequences only: `context_sizes`), pp (dividing what is left, ≤ layers), dp = gpus /
+(tp·cp·pp) dividing the global batch; the micro-batch size b (m = B / (dp·b)); the
 schedule (gpipe, 1f1b, interleaved with every v that divides the layers); the model-state sharding
 (native ZeRO 0/1, DeepSpeed ZeRO 2/3, FSDP full/grad-op/hybrid); sequence parallel; recomputation;
 the rank order (only when it changes which groups cross nodes). Each candidate is checked by
@@ -26,7 +27,7 @@ from bench.analysis.estimate import (CANDIDATE_FIELDS, conventions, crosses_node
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import collectives_time, step_time_floor
-from bench.capabilities import ZERO_SHARDS
+from bench.capabilities import CAPABILITIES, ZERO_SHARDS
 from bench.config import ConfigError, RunConfig, check_number, structural_reason
 from models.config import get_preset
 
@@ -37,6 +38,14 @@ SHARDINGS = (("native", 0, None), ("native", 1, None), ("deepspeed", 0, None), (
 RECOMPUTE = ("none", "selective", "full")
 MAX_MICRO_BATCH = 16
 MAX_VIRTUAL = 8
+CP_MIN_SEQ = 8192
+"""Context parallel is searched from this sequence length on: the published runs that use it start there
+(NeMo's and Megatron-Bridge's Llama 3 recipes at 8,192, Llama 3's long-context stage at 131,072;
+NOTES-cp §3), and below it tp and dp split the work with less traffic."""
+CP_MIN_TOKENS = 1024
+"""The fewest tokens of a sequence a cp rank keeps (seq / cp): below ~1k a ring step's attention is too
+short to hide its K/V pass even over NVLink for MHA (NOTES-cp §2: s/cp ≥ ≈2.2k), and the step is all
+ring latency."""
 
 
 def divisors(n: int) -> list[int]:
@@ -60,14 +69,15 @@ engine such as Megatron-LM could run (RunConfig's layout and model checks, no ba
 def _structure_key(s: RunConfig) -> tuple:
     """What `structural_reason` reads (model fixed): the layout, the schedule, micro-batches only
     as a multiple of pp."""
-    return (s.tp, s.pp, s.virtual_stages, s.schedule, s.sequence_parallel, s.seq, s.micro_batches % s.pp == 0)
+    return (s.tp, s.cp, s.cp_comm, s.pp, s.virtual_stages, s.schedule, s.sequence_parallel, s.seq,
+            s.micro_batches % s.pp == 0)
 
 
 def _support_facts(s: RunConfig) -> tuple:
     """What `bench.capabilities.unsupported_reason` reads of a point besides the backend options
     (model fixed): the sizes only through the comparisons its rules make."""
     return (s.dtype, s.sequence_parallel, s.schedule, s.tp > 1, s.pp > 1, s.virtual_stages > 1,
-            s.micro_batches < s.pp, s.dp >= 2)
+            s.micro_batches < s.pp, s.dp >= 2, s.cp, s.tp * s.cp, s.seq // s.cp)  # cp's rules: heads ÷ tp·cp
 
 
 class _Validator:
@@ -96,8 +106,13 @@ class _Validator:
             self.supports[key] = run_config_reason(RunConfig.unchecked(**{**_fields(point), **options}), self.device)
         return self.supports[key]
 
+    def cp_comm(self, point: RunConfig) -> str | None:
+        """The context-parallel algorithm of a point's candidates: each backend's own (None: RunConfig's
+        default for it) or, for any engine, Megatron's ring (`--cp-comm-type p2p`, its default)."""
+        return None if point.cp == 1 or self.engines == "suite" else "ring"
+
     def __call__(self, s: RunConfig) -> str | None:
-        options = {k: getattr(s, k) for k in ("backend", "zero", "fsdp", "recompute")}
+        options = {k: getattr(s, k) for k in ("backend", "zero", "fsdp", "recompute", "cp_comm")}
         return self.structure(s) or self.support(s, options, _support_facts(s))
 
 
@@ -122,6 +137,14 @@ def _sharding_what(zero: int, fsdp: str | None) -> str:
     return ZERO_SHARDS[zero]
 
 
+def context_sizes(seq: int, n: int) -> list[int]:
+    """The cp sizes searched for `seq` over n GPUs: 1, and from CP_MIN_SEQ on every divisor of n that
+    splits the sequence into 2·cp equal chunks (zig-zag) of at least CP_MIN_TOKENS tokens a rank."""
+    if seq < CP_MIN_SEQ:
+        return [1]
+    return [c for c in divisors(n) if c == 1 or (seq % (2 * c) == 0 and seq // c >= CP_MIN_TOKENS)]
+
+
 def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_per_node: int):
     """Every layout × micro-batch size × schedule × sequence parallel, as an unchecked RunConfig with the default
     backend options, with the rank orders worth comparing; (None, (), reason) for a layout whose dp
@@ -130,16 +153,17 @@ def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_
     for tp in divisors(gpus):
         if m.num_kv_heads % tp or m.ffn_hidden % tp or m.vocab % tp:  # kv_heads divides heads
             continue
-        for pp in divisors(gpus // tp):
+        for cp, pp in ((cp, pp) for cp in context_sizes(seq, gpus // tp) for pp in divisors(gpus // (tp * cp))):
             if pp > m.layers:
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * cp * pp)
             if global_batch % dp:
                 yield None, (), "global batch not divisible by dp"
                 continue
             orders = ("tp-pp-dp",)
-            if any(crosses_nodes(tp, pp, dp, "tp-pp-dp", gpus_per_node, d) !=
-                   crosses_nodes(tp, pp, dp, "tp-dp-pp", gpus_per_node, d) for d in ("pp", "dp")):
+            inner = tp * cp  # cp sits next to tp in either order (bench.layout)
+            if any(crosses_nodes(inner, pp, dp, "tp-pp-dp", gpus_per_node, d) !=
+                   crosses_nodes(inner, pp, dp, "tp-dp-pp", gpus_per_node, d) for d in ("pp", "dp")):
                 orders += ("tp-dp-pp",)
             for b in divisors(global_batch // dp):
                 if b > MAX_MICRO_BATCH:
@@ -151,7 +175,7 @@ def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_
                                                    if 1 < v <= MAX_VIRTUAL and m.layers % (pp * v) == 0]
                 for schedule, v in schedules:
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        yield RunConfig.unchecked(model=model, tp=tp, pp=pp, dp=dp, schedule=schedule,
+                        yield RunConfig.unchecked(model=model, tp=tp, cp=cp, pp=pp, dp=dp, schedule=schedule,
                                                   virtual_stages=v, micro_batch=b, micro_batches=mb, seq=seq,
                                                   dtype=dtype, sequence_parallel=sp), orders, None
 
@@ -167,19 +191,22 @@ def _valid_shapes(point: RunConfig, orders: tuple, validate: _Validator, dropped
         dropped[_reason_class(reason)] += len(SHARDINGS) * len(RECOMPUTE) * len(orders)
         return
     facts, fields_, seen = _support_facts(point), _fields(point), set()
+    cp_comm = validate.cp_comm(point)
     for backend, zero, fsdp in SHARDINGS:
         what = _sharding_what(zero, fsdp)
         for recompute in RECOMPUTE:
-            options = {"backend": backend, "zero": zero, "fsdp": fsdp, "recompute": recompute}
+            options = {"backend": backend, "zero": zero, "fsdp": fsdp, "recompute": recompute, "cp_comm": cp_comm}
             reason = validate.support(point, options, facts)
             if reason:
                 dropped[_reason_class(reason)] += len(orders)
                 continue
             for order in orders:
-                if (recompute, order, what) in seen:
+                # backends running different cp algorithms are not duplicates
+                comm = cp_comm or (None if point.cp == 1 else CAPABILITIES[backend].cp_comms[0])
+                if (recompute, order, what, comm) in seen:
                     dropped["duplicate of an equivalent config on another backend"] += 1
                     continue
-                seen.add((recompute, order, what))
+                seen.add((recompute, order, what, comm))
                 yield _candidate(fields_, options, order)
 
 
@@ -345,7 +372,10 @@ def _row(shape: RunConfig, mem: dict, time: dict) -> dict:
 
 def describe(row: dict) -> str:
     """One line naming a planned config in the CLI's vocabulary."""
-    parts = [f"tp={row['tp']} pp={row['pp']} dp={row['dp']}", f"--backend {row['backend']}"]
+    cp = f" cp={row['cp']}" if row["cp"] > 1 else ""
+    parts = [f"tp={row['tp']}{cp} pp={row['pp']} dp={row['dp']}", f"--backend {row['backend']}"]
+    if row["cp"] > 1:
+        parts.append(f"--cp-comm {row['cp_comm']}")
     if row["fsdp"] is not None:  # an engine sharded by FSDP modes
         parts.append(f"--fsdp {row['fsdp']}")
     elif row["zero"]:
@@ -380,7 +410,8 @@ def sweep_text(result: Plan, model: str, gpus: int, gpus_per_node: int, hardware
     sweep expands to exactly these configs."""
     import yaml
     device = plan_device(hardware)
-    rows = [{**{k: row[k] for k in SWEEP_FIELDS if row[k] is not None}, "device": device} for row in result.configs]
+    rows = [{**{k: row[k] for k in SWEEP_FIELDS if row[k] is not None and not (k == "cp" and row[k] == 1)},
+             "device": device} for row in result.configs]  # cp = 1: a plan without cp reads as before
     shared = {k: v for k, v in rows[0].items() if all(r.get(k) == v for r in rows)} if len(rows) > 1 else {}
     hw = get_hardware(hardware)
     lines = [f"# written by `{command}` on {when}",

@@ -1,7 +1,7 @@
 """The stage plan of one config: what each pipeline rank holds and runs, worked out once and read
 by the memory, communication and time models (`bench.analysis.memory`, `.comm`, `.estimate`).
 
-Per pipeline rank (its tp·dp peers are alike): the model chunks and their layers, whether it holds
+Per pipeline rank (its tp·cp·dp peers are alike): the model chunks and their layers, whether it holds
 the embedding (chunk 0) or the head (the last chunk), its parameters (its tp shard, before dp
 sharding), and the activations in flight at its peak — read off the action lists its backend runs
 (`bench.schedule`), as is the step's bubble. Per config: how the dp group shards the model state.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache, partial
 
 from bench.analysis.memory import rank_params, sharding
-from bench.analysis.params import fsdp_group_sizes, native_buckets, native_padded_buckets, stage_param_sizes
+from bench.analysis.params import data_ranks, fsdp_group_sizes, native_buckets, native_padded_buckets, stage_param_sizes
 from bench.capabilities import engine
 from bench.schedule import Step, partition, rank_chunks, rank_peak, schedule_step
 from models.config import GPTConfig
@@ -78,8 +78,9 @@ class StagePlan:
         return native_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb)
 
     def padded_buckets(self, stage: int) -> int:
-        """Elements of those buckets, each padded to a multiple of dp (ZeRO-1's flat buffers)."""
-        return native_padded_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb, self.cfg.dp)
+        """Elements of those buckets, each padded to a multiple of dp·cp (ZeRO-1's flat buffers)."""
+        return native_padded_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb,
+                                     data_ranks(self.cfg))
 
     def fsdp_groups(self, stage: int, shard: int) -> tuple[tuple[str, int], ...]:
         """(kind, padded element count) of each FSDP2 group of a rank, sharded `shard` ways."""

@@ -16,6 +16,10 @@ Per pipeline rank and micro-batch, each chunk's forward and backward cost (per t
     overhead    ops × per-op dispatch cost (calibrated; 0 on GPU, where launches run ahead of the device)
     recompute   full: the layer's forward again in backward; selective: its attention core
     tp          every tp collective of the micro-batch, on the critical path (no overlap)
+    cp          context parallel: every GEMM and kernel on the rank's s/cp tokens; the attention core in
+                zig-zag half blocks (`context_parallel_core`) or, under Ulysses, the whole sequence on
+                heads/cp; ring passes hidden behind a ring step where the step is longer (`cp_exposed`),
+                Ulysses' all-to-alls exposed
     pp          one send per chunk boundary crossed, forward and backward, on the critical path
 Backward costs twice the forward's matmuls and memory traffic (gradients of inputs and of weights).
 Ranks that outnumber the cores slow compute by the calibrated oversubscription factor, ranks that
@@ -46,13 +50,14 @@ from math import ceil
 
 from bench.analysis.comm import Traffic, stage_traffic
 from bench.analysis.hardware import Hardware
-from bench.analysis.memory import precision
+from bench.analysis.memory import precision, rank_tokens
+from bench.analysis.params import data_ranks
 from bench.capabilities import engine
 from bench.conventions import dtype_key, grad_bytes, wire_bytes
 from models.config import block_matmul_weights
 
-TERMS = ("compute_s", "overhead_s", "comm_exposed_tp_s", "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s",
-         "optimizer_s")
+TERMS = ("compute_s", "overhead_s", "comm_exposed_tp_s", "comm_exposed_cp_s", "comm_exposed_pp_s", "comm_exposed_dp_s",
+         "bubble_s", "optimizer_s")
 """The step's additive terms (step_time_s is their sum)."""
 
 # Aten ops one block of this suite's GPT dispatches (counted under TorchDispatchMode: tests/test_time_model.py).
@@ -75,6 +80,7 @@ class Matmul:
     k: int
     n: int
     batch: int = 1
+    dtype: str | None = None  # None: the config's; "fp32" for work an implementation does in fp32
 
     @property
     def flops(self) -> float:
@@ -82,6 +88,8 @@ class Matmul:
 
 
 def matmul_time(mm: Matmul, hw: Hardware, dtype: str, elem: int) -> float:
+    if mm.dtype is not None:
+        dtype, elem = mm.dtype, 4
     key = dtype_key(dtype)
     cal = hw.calibration
     if cal is not None:  # a batched GEMM runs as `batch` small ones: the rate of one of them
@@ -118,7 +126,8 @@ class Work:
 def backward_gemms(mms) -> tuple[Matmul, ...]:
     """Each GEMM (M×K)·(K×N) needs two in backward: the input gradient (M×N)·(N×K) and the weight
     gradient (K×M)·(M×N)."""
-    return tuple(g for mm in mms for g in (Matmul(mm.m, mm.n, mm.k, mm.batch), Matmul(mm.k, mm.m, mm.n, mm.batch)))
+    return tuple(g for mm in mms for g in (Matmul(mm.m, mm.n, mm.k, mm.batch, mm.dtype),
+                                           Matmul(mm.k, mm.m, mm.n, mm.batch, mm.dtype)))
 
 
 def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
@@ -127,14 +136,19 @@ def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
     writes y; backward reads x (or y) and dy and writes dx."""
     mc, t = cfg.model_config, cfg.tp
     b, s, h, f = cfg.micro_batch, cfg.seq, mc.hidden, mc.ffn_hidden
-    bs, hd, heads = b * s, mc.head_dim, mc.heads // t
+    bs, hd, heads = rank_tokens(cfg), mc.head_dim, mc.heads // t  # context parallel: s/cp tokens a rank
     e = precision(cfg.dtype).act
     gemms = (Matmul(bs, h, mc.qkv_out // t), Matmul(bs, h // t, h), Matmul(bs, h, mc.fc1_out // t), Matmul(bs, f // t, h))
     x = bs * h / (t if cfg.sequence_parallel else 1)  # norms and residual adds run on sequence shards
     ffn = bs * f / t
+    ring = cfg.cp > 1 and cfg.cp_comm == "ring"
+    if cfg.cp > 1 and cfg.cp_comm == "ulysses":  # after its all-to-all: the whole sequence, 1/cp of the heads
+        heads //= cfg.cp
     if impl == "table2":  # Megatron-LM: scores materialised (QKᵀ, then AV), fused kernels, dropout masks of 1 byte
         scores = b * heads * s * s
         core = (Matmul(s, hd, s, b * heads), Matmul(s, s, hd, b * heads))
+        if ring:  # TE's ring (Megatron's CP needs it): causal, zig-zag balanced, in half blocks, fused (the
+            core, scores = context_parallel_core(cfg, impl)[0], 0  # scores never leave the kernel)
         soft_f = 2 * e * scores + (2 * e + 1) * scores  # scale-mask-softmax; dropout
         soft_b = 3 * e * scores + (2 * e + 1) * scores
         fwd = Work(gemms + core, 2 * 2 * e * x + 2 * (3 * e + 1) * x + 2 * e * ffn + soft_f, TABLE2_OPS[0])
@@ -144,13 +158,52 @@ def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
     # suite: fp32 residual stream and norms, autocast casts of the norm outputs and the weights, fused
     # attention (causal: the kernel skips the masked half of the score blocks)
     core = (Matmul(s, hd, s // 2, b * heads), Matmul(s, s // 2, hd, b * heads))
+    core_f, core_b = Work(core), Work(backward_gemms(core))
+    if ring:
+        core_f, core_b = ring_core_work(cfg)
     low = dtype_key(cfg.dtype) != "fp32"
     casts = 2 * x * 6 if low else 0  # the norm outputs (read fp32, write bf16), forward; their gradients back
     ops = SUITE_OPS[dtype_key(cfg.dtype)]
-    fwd = Work(gemms + core, 2 * 2 * 4 * x + 2 * 3 * 4 * x + casts, ops[0], act_bytes=2 * e * ffn)
-    bwd = Work(backward_gemms(gemms + core), 2 * 3 * 4 * x + 2 * 2 * 4 * x + casts + weight_cast_bytes(cfg),
-               ops[1], act_bytes=3 * e * ffn)  # each bf16 weight gradient cast back to fp32
-    return fwd, bwd, Work(core)
+    fwd = Work(gemms, 2 * 2 * 4 * x + 2 * 3 * 4 * x + casts, ops[0], act_bytes=2 * e * ffn) + core_f
+    bwd = Work(backward_gemms(gemms), 2 * 3 * 4 * x + 2 * 2 * 4 * x + casts + weight_cast_bytes(cfg),
+               ops[1], act_bytes=3 * e * ffn) + core_b  # each bf16 weight gradient cast back to fp32
+    return fwd, bwd, core_f
+
+
+RING_BYTES_PER_SCORE = (28, 44)
+"""fp32 bytes this suite's ring attention reads and writes per score element of a block beyond its GEMMs
+(bench.context_parallel, counted from its code): forward the scale (8), log-sum-exp (4), subtracting it
+(8) and exp (8); backward the scale, subtracting the saved log-sum-exp, exp, subtracting rowsum(dO∘O)
+(8 each) and the product with the probabilities (12)."""
+
+
+def ring_core_work(cfg) -> tuple[Work, Work]:
+    """(forward, backward) of this suite's ring attention on one rank per micro-batch
+    (`context_parallel_core`): its backward recomputes each block's scores (one more QKᵀ) beside the
+    four GEMMs of the gradients."""
+    core, scores = context_parallel_core(cfg, "suite")
+    fwd_b, bwd_b = RING_BYTES_PER_SCORE
+    return Work(core, fwd_b * scores), Work(backward_gemms(core) + core[:1], bwd_b * scores)
+
+
+RING_MATH = "fp32"
+"""The dtype this suite's ring attention computes its blocks in (bench.context_parallel: fp32 merges and
+GEMMs, whatever the inputs' dtype)."""
+
+
+def context_parallel_core(cfg, impl: str) -> tuple[tuple[Matmul, Matmul], int]:
+    """(QKᵀ and PV GEMMs, score elements) of one rank's attention core under context parallel, per
+    micro-batch. The zig-zag layout (Megatron's DualChunkSwap, Llama 3 §3.3.2) cuts the sequence into 2·cp
+    chunks and gives rank r chunks r and 2·cp−1−r, so every rank attends the same share of the causal
+    triangle; the work runs in half blocks of chunk × chunk (chunk = s / 2cp). TE's kernels (`table2`,
+    Megatron's CP) compute 2·cp of them, the diagonal ones causally, in the config's dtype. This suite's
+    ring (`suite`, bench.context_parallel) skips the blocks no key of which is visible and computes the
+    rest whole: 2 per step off the diagonal, 3 on it, 2·cp + 1 in all, in fp32 (its blocks' math)."""
+    m, c = cfg.model_config, cfg.cp
+    chunk, hd, rows = cfg.seq // (2 * c), m.head_dim, cfg.micro_batch * (m.heads // cfg.tp)
+    blocks, dtype = (2 * c, None) if impl == "table2" else (2 * c + 1, RING_MATH)
+    batch = rows * blocks
+    return (Matmul(chunk, hd, chunk, batch, dtype), Matmul(chunk, chunk, hd, batch, dtype)), batch * chunk * chunk
 
 
 def weight_cast_bytes(cfg) -> float:
@@ -174,13 +227,13 @@ LOSS_BYTES_PER_LOGIT = 3 * 4
 def head_work(cfg) -> Work:
     """The last chunk's head GEMM and cross-entropy (forward; the backward moves the same loss bytes)."""
     mc = cfg.model_config
-    bs = cfg.micro_batch * cfg.seq
+    bs = rank_tokens(cfg)
     return Work((Matmul(bs, mc.hidden, mc.vocab // cfg.tp),), 0.0, 6,
                 loss_bytes=LOSS_BYTES_PER_LOGIT * bs * mc.vocab / cfg.tp)
 
 
 def embed_work(cfg) -> Work:
-    bs = cfg.micro_batch * cfg.seq
+    bs = rank_tokens(cfg)
     return Work((), 3 * bs * cfg.model_config.hidden * 4, 4)
 
 
@@ -232,7 +285,9 @@ def collective_time(tr: Traffic, hw: Hardware, links: dict, ranks: int) -> float
     if measured:
         return measured
     bw, latency = links[tr.dim]
-    hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(tr.kind, 1)
+    hops = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1}.get(tr.kind, 1)
+    if tr.kind == "all_to_all":  # each rank keeps 1/n of its input and sends the rest, one part per peer
+        return hops * latency + (n - 1) / n * tr.payload / bw
     return hops * latency + wire_bytes(tr.kind, tr.payload, n) / bw
 
 
@@ -251,10 +306,11 @@ class StageTime:
     pp: float  # sends on the critical path, all micro-batches
     last_backward: float  # one micro-batch's backward of the whole rank (hides the step's reduction)
     traffic: tuple  # its Traffic
+    cp: float = 0.0  # context parallel's exposed passes and all-to-alls, all micro-batches
 
     @property
     def busy(self) -> float:
-        return self.compute + self.overhead + self.tp + self.pp
+        return self.compute + self.overhead + self.tp + self.cp + self.pp
 
 
 @dataclass(frozen=True)
@@ -270,6 +326,8 @@ class PartCosts:
     head_f: float
     head_b: float
     head_ops: int
+    core_f: float = 0.0  # the attention core's forward and backward, inside layer_f and layer_b
+    core_b: float = 0.0
 
 
 _COSTS: dict = {}
@@ -278,8 +336,8 @@ _COSTS: dict = {}
 def part_costs(cfg, hw: Hardware, impl: str) -> PartCosts:
     """Cached per (profile, shape of the work): the planner asks for the same layers thousands of times."""
     once = casts_weights_once(cfg, impl)
-    key = (id(hw), cfg.model_config, cfg.tp, cfg.micro_batch, cfg.seq, cfg.sequence_parallel, cfg.dtype,
-           cfg.recompute, cfg.world, impl, once)
+    key = (id(hw), cfg.model_config, cfg.tp, cfg.cp, cfg.cp_comm, cfg.micro_batch, cfg.seq, cfg.sequence_parallel,
+           cfg.dtype, cfg.recompute, cfg.world, impl, once)
     hit = _COSTS.get(key)
     if hit is not None and hit[0] is hw:  # the profile is held by the entry: its id cannot be reused
         return hit[1]
@@ -291,11 +349,19 @@ def part_costs(cfg, hw: Hardware, impl: str) -> PartCosts:
     embed, head = embed_work(cfg), head_work(cfg)
     costs = PartCosts(dev.compute(fwd), dev.compute(bwd) + dev.compute(redo), fwd.ops + bwd.ops + redo.ops,
                       dev.compute(embed), dev.compute(embed_backward_work(cfg)), dev.compute(head),
-                      dev.compute(Work(backward_gemms(head.matmuls), loss_bytes=head.loss_bytes)), 3 * head.ops)
+                      dev.compute(Work(backward_gemms(head.matmuls), loss_bytes=head.loss_bytes)), 3 * head.ops,
+                      *(_core_seconds(cfg, impl, core, dev) if cfg.cp > 1 else ()))
     if len(_COSTS) > 65536:
         _COSTS.clear()
     _COSTS[key] = (hw, costs)
     return costs
+
+
+def _core_seconds(cfg, impl: str, core: Work, dev: Device) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's attention core: the windows its ring passes hide behind."""
+    ring = impl == "suite" and cfg.cp_comm == "ring"
+    backward = ring_core_work(cfg)[1] if ring else Work(backward_gemms(core.matmuls), 2 * core.bytes)
+    return dev.compute(core), dev.compute(backward)
 
 
 def rank_passes(rank, c: PartCosts) -> tuple[float, float, int]:
@@ -327,9 +393,28 @@ def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_sta
     per_mb = [tr for tr in traffic if tr.per == "micro-batch"]
     tp = collectives_time([tr for tr in per_mb if tr.dim == "tp"], hw, links, cfg.world)
     pp = collectives_time([tr for tr in per_mb if tr.dim == "pp"], hw, links, cfg.world)
+    cp = cp_exposed(cfg, [tr for tr in per_mb if tr.dim == "cp"], c, hw, links)
     dev = Device(hw, cfg)
     upkeep = dev.compute(step_upkeep(cfg, rank, impl, traffic))
-    return StageTime(m * (f + b) + upkeep, m * dev.overhead(Work((), 0, ops)), tp, pp, b, traffic)
+    return StageTime(m * (f + b) + upkeep, m * dev.overhead(Work((), 0, ops)), tp, pp, b, traffic, cp)
+
+
+def cp_exposed(cfg, items, c: PartCosts, hw: Hardware, links: dict) -> float:
+    """Seconds of context parallel's traffic (all micro-batches) not hidden behind the attention core.
+    A ring pass posted before a ring step and waited after it (`Traffic.behind`) hides behind that step,
+    1/cp of the core's forward or backward: exposed where its transfer is longer, i.e. where a step's
+    attention is too short (ring attention's overlap condition, Liu et al. 2023, "Ring Attention with
+    Blockwise Transformers", §3: a block's compute must outlast its K/V transfer; for a balanced step
+    NOTES-cp §2's s/cp ≥ g·β·F/B_cp).
+    Every other op (the suite ring's backward passes, Ulysses' all-to-alls) waits in full; on a CPU
+    whose cores the ranks fill nothing hides (`can_overlap`)."""
+    window = {"forward": c.core_f / cfg.cp, "backward": c.core_b / cfg.cp}
+    overlap = can_overlap(cfg, hw)
+    exposed = 0.0
+    for tr in items:
+        each = collective_time(tr, hw, links, cfg.world)
+        exposed += tr.ops * (max(0.0, each - window[tr.behind]) if tr.behind and overlap else each)
+    return exposed
 
 
 def step_upkeep(cfg, rank, impl: str, traffic: tuple = ()) -> Work:
@@ -347,7 +432,7 @@ def step_upkeep(cfg, rank, impl: str, traffic: tuple = ()) -> Work:
         return Work((), (12 * m - 4) * n + casts)
     # from that ZeRO stage on (DeepSpeed: 2) gradients accumulate into the rank's partition
     partitioned = eng.partition_accumulation_from is not None and cfg.zero >= eng.partition_accumulation_from
-    accumulate = (12 / cfg.dp if partitioned else 12) * (m - 1)
+    accumulate = (12 / data_ranks(cfg) if partitioned else 12) * (m - 1)
     return Work((), accumulate * n + backend_copy_bytes(cfg, n, traffic))
 
 
@@ -369,11 +454,12 @@ def backend_copy_bytes(cfg, params: float, traffic: tuple) -> float:
                   if tr.kind == "all_gather" and tr.per == "micro-batch")
     declared = engine(cfg).copy_bytes
     if declared:
-        if cfg.dp == 1 and not cfg.zero:
+        n = data_ranks(cfg)
+        if n == 1 and not cfg.zero:
             return 0.0
         a, b, c = declared[cfg.zero]
         rounds = cfg.micro_batches if cfg.zero >= 2 else 1
-        per_param = (a + b / cfg.dp) * rounds * grad_bytes(cfg) / 4 + c / cfg.dp
+        per_param = (a + b / n) * rounds * grad_bytes(cfg) / 4 + c / n
         return per_param * params + (gathers if cfg.zero == 3 else 0.0)
     scatters = sum(shard_copy_factor(tr.group) * tr.total for tr in dp if tr.kind == "reduce_scatter")
     buckets = sum(4 * tr.total for tr in dp if tr.kind == "all_reduce" and tr.what == "gradients")
@@ -393,14 +479,28 @@ def megatron_traffic(cfg, rank, traffic: tuple) -> tuple:
                     Traffic("tp", "all_gather", tr.payload, tr.ops, t, "scatter/gather of a pipeline send")]
         else:
             out.append(tr)
-    x = cfg.micro_batch * cfg.seq * cfg.model_config.hidden * precision(cfg.dtype).comm_fwd
+    x = rank_tokens(cfg) * cfg.model_config.hidden * precision(cfg.dtype).comm_fwd
     if cfg.sequence_parallel and t > 1:
         gemms = 2 * rank.layers + (1 if rank.last else 0)  # qkv and fc1 of each layer, the head
         out.append(Traffic("tp", "all_gather", x, gemms * cfg.micro_batches, t, "re-gathered GEMM inputs"))
     if cfg.recompute == "full" and t > 1:  # its checkpoint re-runs the whole layer, the MLP's exit collective
         exit_op = "reduce_scatter" if cfg.sequence_parallel else "all_reduce"  # too (the native engine's stops before)
         out.append(Traffic("tp", exit_op, x, rank.layers * cfg.micro_batches, t, "recomputed MLP exit"))
+    if cfg.cp > 1 and cfg.cp_comm == "ring":
+        out = _te_ring(cfg, rank, out)
     return tuple(out)
+
+
+def _te_ring(cfg, rank, traffic: list) -> list:
+    """Megatron's CP ring (TE `AttnFuncWithCPAndKVP2P`, NOTES-cp §1.1) in place of this suite's: the same
+    forward passes, and a backward of cp − 1 passes each carrying K/V and dK/dV in the K/V dtype
+    (2(cp−1)·KV_r in all), each posted before a ring step's backward and hidden behind it."""
+    ring = [tr for tr in traffic if tr.dim == "cp"]
+    kv = next(tr.payload for tr in ring if tr.behind == "forward")  # KV_r·β
+    passes = (cfg.cp - 1) * rank.layers * cfg.micro_batches
+    te = [tr for tr in ring if tr.behind == "forward"] + [
+        Traffic("cp", "send", 2 * kv, passes, cfg.cp, "K/V and dK/dV round the ring (bwd)", behind="backward")]
+    return [tr for tr in traffic if tr.dim != "cp"] + te
 
 
 def can_overlap(cfg, hw: Hardware) -> bool:
@@ -440,7 +540,7 @@ def optimizer_tensors(plan, stage: int) -> int:
     cfg, steps = plan.cfg, engine(plan.cfg).optimizer_steps
     if steps == "partition" and cfg.zero:
         return 1
-    if steps == "bucket-shards" and cfg.zero and cfg.dp > 1:
+    if steps == "bucket-shards" and cfg.zero and data_ranks(cfg) > 1:
         buckets, sp = plan.buckets(stage)
         return len(buckets) + bool(sp)
     return len(plan.param_sizes(stage))
@@ -467,7 +567,7 @@ def step_terms(plan, hw: Hardware, links: dict, impl: str = "table2", mixed_stat
         tp_step = collectives_time([tr for tr in per_step if tr.dim == "tp"], hw, links, cfg.world)
         pp_step = collectives_time([tr for tr in per_step if tr.dim == "pp"], hw, links, cfg.world)
         terms = {"compute_s": st.compute, "overhead_s": st.overhead, "comm_exposed_tp_s": st.tp + tp_step,
-                 "comm_exposed_pp_s": st.pp + pp_step, "comm_exposed_dp_s": dp_exposed(cfg, st, hw, links),
+                 "comm_exposed_cp_s": st.cp, "comm_exposed_pp_s": st.pp + pp_step, "comm_exposed_dp_s": dp_exposed(cfg, st, hw, links),
                  "bubble_s": st.busy * plan.step.bubble_over_ideal, "optimizer_s": optimizer_time(plan, stage, hw)}
         total = sum(terms.values())
         if best is None or total > best[0]:

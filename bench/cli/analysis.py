@@ -138,10 +138,13 @@ def _print_estimate(est: dict) -> None:
         click.echo(f"  {dim}: {_gib(payload):>14} / {_gib(wire):>14}")
     click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")
     if "step_time_s" in est:
+        cp = "cp" in est["links"]  # named only where cp > 1
         click.echo(f"on {est['hardware']} ({'calibrated' if est['calibrated'] else 'datasheet'}; links tp "
-                   f"{est['links']['tp']}, pp {est['links']['pp']}, dp {est['links']['dp']}): step "
+                   f"{est['links']['tp']}, " + (f"cp {est['links']['cp']}, " if cp else "") +
+                   f"pp {est['links']['pp']}, dp {est['links']['dp']}): step "
                    f"{est['step_time_s']:.4g} s = compute {est['compute_s']:.4g} + overhead {est['overhead_s']:.4g} "
-                   f"+ exposed comm tp {est['comm_exposed_tp_s']:.4g} pp {est['comm_exposed_pp_s']:.4g} "
+                   f"+ exposed comm tp {est['comm_exposed_tp_s']:.4g} "
+                   + (f"cp {est['comm_exposed_cp_s']:.4g} " if cp else "") + f"pp {est['comm_exposed_pp_s']:.4g} "
                    f"dp {est['comm_exposed_dp_s']:.4g} + bubble {est['bubble_s']:.4g} + optimizer {est['optimizer_s']:.4g}")
         click.echo(f"  {est['tokens_per_s']:,.0f} tokens/s   MFU {est['mfu']:.1%}   "
                    f"{'fits' if est['fits'] else 'DOES NOT FIT'} in {_gib(est['memory_limit_bytes'])}")
@@ -191,7 +194,8 @@ def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, me
     for i, row in enumerate(result.configs, 1):
         click.echo(f"{i}. {describe(row)}")
         click.echo(f"   {row['tokens_per_s']:,.0f} tokens/s  MFU {row['mfu']:.1%}  step {row['step_time_s']:.2f} s "
-                   f"(compute {row['compute_s']:.2f}, comm tp {row['comm_tp_s']:.2f} pp {row['comm_pp_s']:.2f} "
+                   f"(compute {row['compute_s']:.2f}, comm tp {row['comm_tp_s']:.2f} "
+                   + (f"cp {row['comm_cp_s']:.2f} " if row["cp"] > 1 else "") + f"pp {row['comm_pp_s']:.2f} "
                    f"dp {row['comm_dp_exposed_s']:.2f}, bubble {row['bubble_s']:.2f})  "
                    f"memory {_gib(row['total_bytes'])} (act {_gib(row['activation_bytes'])})")
 
