@@ -40,6 +40,16 @@ _FUNCOL = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
            "all_to_all_single": "all_to_all", "broadcast": "broadcast"}
 
 
+CP_KINDS = ("send", "recv", "all_to_all")
+"""What the attention sends over the cp group: the ring's K/V (P2P), Ulysses' heads (all-to-all)."""
+
+
+def _data_parallel_if_reduction(dim: str, kind: str) -> str:
+    """Any other collective on ranks that form a cp group is the gradient's (or FSDP's shards') over
+    dp × cp, whose ranks are the cp group's when dp = 1: data-parallel traffic, as the cost model counts it."""
+    return "dp" if dim == "cp" and kind not in CP_KINDS else dim
+
+
 def _nbytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(x) if isinstance(t, torch.Tensor))
 
@@ -70,13 +80,13 @@ class CommCounter(TorchDispatchMode):
             dim, n = self._group(args)
             if name in ("send", "recv_") and dim in ("world", "other"):
                 dim = self._p2p_dim(args)
-            self._add(dim, kind, 0 if idx is None else _nbytes(args[idx]), n)
+            self._add(_data_parallel_if_reduction(dim, kind), kind, 0 if idx is None else _nbytes(args[idx]), n)
         elif ns == "_c10d_functional" and name in _FUNCOL:
             out = func(*args, **kwargs)
             kind = _FUNCOL[name]
             group_name = [a for a in args if isinstance(a, str)][-1]
             dim, n = self._group_by_name(group_name)
-            self._add(dim, kind, _nbytes(out if kind == "all_gather" else args[0]), n)
+            self._add(_data_parallel_if_reduction(dim, kind), kind, _nbytes(out if kind == "all_gather" else args[0]), n)
             return out
         return func(*args, **kwargs)
 
