@@ -66,11 +66,11 @@ def limit_sweep(cluster, tmp_path_factory):
     proc = _start_sweep(tmp / "limit.yaml", """
 name: limit-test
 base: {steps: 3, warmup: 0, fault: "sleep:200000"}
+grid: {seed: [0]}
 launcher: {kind: slurm, profile: local, time_min: 1}
 """)
     yield {"proc": proc, "out": tmp / "limit"}
-    if proc.poll() is None:
-        proc.kill()
+    _stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -179,11 +179,10 @@ launcher: {kind: slurm, profile: local}
         subprocess.run(["scancel", job], check=True, timeout=10)
         _, stderr = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _stop(proc)
     assert proc.returncode == 0, stderr
     row = _rows(tmp_path / "c").iloc[0]
-    assert row.status == "cancelled" and "Slurm state CANCELLED by 0" in row.error, row.error
+    assert row.status == "cancelled" and "Slurm state CANCELLED BY 0" in row.error, row.error
     _assert_resume_reruns(tmp_path / "c", {row.run_id})
 
 
@@ -192,11 +191,12 @@ def test_preempted_job_is_requeued_when_the_profile_asks_else_cancelled(cluster,
     `requeue: true` runs the job again (slurm_attempts 2, an ok row), `requeue: false` ends it (cancelled,
     Slurm's PREEMPTED as the reason)."""
     runs = {}
-    for requeue, sleep_ms in ((True, 2500), (False, 200000)):
+    for requeue, sleep_ms in ((True, 1000), (False, 200000)):
         name = f"preempt-{str(requeue).lower()}"
         runs[requeue] = (name, _start_sweep(tmp_path / f"{name}.yaml", f"""
 name: {name}
 base: {{steps: 3, warmup: 0, fault: "sleep:{sleep_ms}", timeout_s: 120}}
+grid: {{seed: [0]}}
 launcher: {{kind: slurm, profile: local, requeue: {str(requeue).lower()}}}
 """))
     try:
@@ -210,8 +210,7 @@ launcher: {{kind: slurm, profile: local, requeue: {str(requeue).lower()}}}
         outs = {requeue: proc.communicate(timeout=120) for requeue, (_, proc) in runs.items()}
     finally:
         for _, proc in runs.values():
-            if proc.poll() is None:
-                proc.kill()
+            _stop(proc)
     for requeue, (name, proc) in runs.items():
         assert proc.returncode == 0, outs[requeue][1]
     again = _rows(tmp_path / "preempt-true").iloc[0]
@@ -240,12 +239,11 @@ launcher: {kind: slurm, profile: local}
         while not (list((out / "runs").glob("*.json")) if (out / "runs").is_dir() else []):
             assert time.monotonic() < deadline and proc.poll() is None, "the quick run never finished"
             time.sleep(0.3)
-        assert len(_wait_running("bench-interrupt-test", timeout=60, count=2)) == 2
+        _wait_running("bench-interrupt-test", timeout=60, count=2)  # the two sleepers (the quick one may be ending)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _stop(proc)
     assert proc.returncode == 130, stderr
     queued = subprocess.run(["squeue", "-h", "-n", "bench-interrupt-test", "-o", "%i %T"], capture_output=True,
                             text=True, timeout=10).stdout
@@ -266,6 +264,16 @@ def test_time_limit_kill_is_a_timeout_row_with_slurms_reason(limit_sweep):
     assert "Slurm state" in row.error  # TIMEOUT, or FAILED when submitit's USR2 handler ended it first
     assert not list((limit_sweep["out"] / "runs").glob(".*.tmp"))  # nothing half-written
     _assert_resume_reruns(limit_sweep["out"], {row.run_id})
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """A sweep a failing test leaves running: Ctrl-C it (it cancels its jobs), kill it if that hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _run_id(out: Path, seed: int) -> str:
@@ -301,11 +309,11 @@ def _wait_gone(job: str, timeout: float) -> None:
 
 
 @pytest.mark.parametrize("launcher, world, says", [
-    ("{kind: slurm, profile: local, nodes: 3}", 3, "nodes = 3, but partition (default) has 2"),
+    ("{kind: slurm, profile: local, nodes: 3}", 3, "nodes = 3, but partition debug has 2"),
     ("{kind: slurm, profile: local, gpus_per_node: 4}", 6, "gpus_per_node = 4 does not divide world size 6"),
 ])
 def test_a_profile_the_cluster_cannot_serve_is_refused_before_submission(cluster, tmp_path, launcher, world, says):
-    (tmp_path / "b.yaml").write_text(f"name: bad-profile\nbase: {{steps: 1, dp: {world}}}\nlauncher: {launcher}\n")
+    (tmp_path / "b.yaml").write_text(f"name: bad-profile\nbase: {{steps: 1}}\ngrid: {{dp: [{world}]}}\nlauncher: {launcher}\n")
     out = subprocess.run([BENCH, "sweep", str(tmp_path / "b.yaml"), "--out", str(tmp_path / "b"), "--no-progress"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

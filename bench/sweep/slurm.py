@@ -51,11 +51,12 @@ class SlurmProfile:
     qos: str | None = None
     constraint: str | None = None
     ranks_per_node: Positive = 8
-    """Most ranks (tasks) one node runs: a run of world size W takes ceil(W / ranks_per_node) nodes."""
+    """Most ranks (tasks) one node runs: a run of world size W takes ceil(W / ranks_per_node) nodes
+    (with gpus_per_node set, one rank per GPU: ceil(W / gpus_per_node))."""
     nodes: Positive | None = None
     """Fixed node count (overrides ranks_per_node); the world size must be a multiple of it."""
     gpus_per_node: Count = 0
-    """GPUs requested per node (0: request none)."""
+    """GPUs requested per node, one rank each (0: request none); it must divide every larger world size."""
     cpus_per_task: Count = 1
     mem_gb: Annotated[float, Gt(0)] | None = None
     time_min: Count | None = None
@@ -81,7 +82,7 @@ class SlurmProfile:
 
     def shape(self, cfg: RunConfig) -> tuple[int, int]:
         """(nodes, tasks per node) of a run."""
-        nodes = self.nodes or math.ceil(cfg.world / self.ranks_per_node)
+        nodes = self.nodes or math.ceil(cfg.world / (self.gpus_per_node or self.ranks_per_node))
         return nodes, math.ceil(cfg.world / nodes)
 
     def problem(self, cfg: RunConfig, cluster_nodes: int | None) -> str | None:
@@ -93,10 +94,11 @@ class SlurmProfile:
                     f"{cfg.world} (one rank per GPU, whole nodes): choose gpus_per_node dividing {cfg.world}, or a "
                     f"world size that is a multiple of {self.gpus_per_node}")
         if cluster_nodes is not None and nodes > cluster_nodes:
-            key = (f"nodes = {nodes}" if self.nodes else
-                   f"world size {cfg.world} at ranks_per_node = {self.ranks_per_node} needs {nodes} nodes")
-            return (f"slurm profile {self.name}: {key}, but partition {self.partition or '(default)'} has "
-                    f"{cluster_nodes}: set nodes (or raise ranks_per_node) so a run needs at most {cluster_nodes}")
+            per_node = "gpus_per_node" if self.gpus_per_node else "ranks_per_node"
+            asked = (f"nodes = {nodes}" if self.nodes else f"world size {cfg.world} at {per_node} = "
+                     f"{getattr(self, per_node)} needs {nodes} nodes")
+            return (f"slurm profile {self.name}: {asked}, but partition {self.partition or '(default)'} has "
+                    f"{cluster_nodes}: set nodes ≤ {cluster_nodes} (or a larger {per_node}), or a smaller world size")
         return None
 
     def unsupported(self, cfg: RunConfig) -> str | None:
@@ -236,7 +238,7 @@ class SlurmLauncher(Launcher):
                 with ex.batch():
                     jobs = [ex.submit(slurm_task, cfg.to_dict(), self.store, now) for cfg in cfgs]
                 submitted = time.monotonic()
-                pending += [_Tracked(cfg, job, submitted) for cfg, job in zip(cfgs, jobs)]
+                pending += [_Tracked(cfg, job, submitted, self.profile.requeue) for cfg, job in zip(cfgs, jobs)]
             self.jobs = [t.job for t in pending]
             self._watch(pending, started, finished)
         except BaseException:  # Ctrl-C or an error here: do not leave jobs running unattended
@@ -275,6 +277,8 @@ class _Tracked:
     cfg: RunConfig
     job: object
     submitted: float
+    requeue: bool
+    """Whether Slurm requeues the job when preempted (else PREEMPTED is its end)."""
     started: float = 0.0
     """monotonic time the job was first seen running (0: not yet)"""
     collected: bool = False
@@ -299,7 +303,7 @@ class _Tracked:
         """The run's row once it is known, else None."""
         outcomes = self._outcomes()
         finished_state = state not in ("PENDING", "RUNNING", "UNKNOWN", "READY", "REQUEUED", "COMPLETING",
-                                       "PREEMPTED", "CONFIGURING", "SUSPENDED", "")
+                                       "CONFIGURING", "SUSPENDED", "", *(("PREEMPTED",) if self.requeue else ()))
         if all(o is not None and o[0] == "success" for o in outcomes):
             return outcomes[0][1]  # the row rank 0 wrote
         if not finished_state:
