@@ -85,7 +85,7 @@ class SlurmProfile:
         nodes = self.nodes or math.ceil(cfg.world / (self.gpus_per_node or self.ranks_per_node))
         return nodes, math.ceil(cfg.world / nodes)
 
-    def problem(self, cfg: RunConfig, cluster_nodes: int | None) -> str | None:
+    def problem(self, cfg: RunConfig, cluster_nodes: int) -> str | None:
         """Why no run of this shape can go to this cluster, as one line naming the key and the fix (the
         sweep is refused before anything is submitted); `cluster_nodes`: the partition's node count."""
         nodes, _ = self.shape(cfg)
@@ -93,12 +93,13 @@ class SlurmProfile:
             return (f"slurm profile {self.name}: gpus_per_node = {self.gpus_per_node} does not divide world size "
                     f"{cfg.world} (one rank per GPU, whole nodes): choose gpus_per_node dividing {cfg.world}, or a "
                     f"world size that is a multiple of {self.gpus_per_node}")
-        if cluster_nodes is not None and nodes > cluster_nodes:
+        if nodes > cluster_nodes:
             per_node = "gpus_per_node" if self.gpus_per_node else "ranks_per_node"
-            asked = (f"nodes = {nodes}" if self.nodes else f"world size {cfg.world} at {per_node} = "
-                     f"{getattr(self, per_node)} needs {nodes} nodes")
+            asked, fix = ((f"nodes = {nodes}", f"set nodes ≤ {cluster_nodes}") if self.nodes else
+                          (f"world size {cfg.world} at {per_node} = {getattr(self, per_node)} needs {nodes} nodes",
+                           f"raise {per_node} or use a smaller world size"))
             return (f"slurm profile {self.name}: {asked}, but partition {self.partition or '(default)'} has "
-                    f"{cluster_nodes}: set nodes ≤ {cluster_nodes} (or a larger {per_node}), or a smaller world size")
+                    f"{cluster_nodes}: {fix}")
         return None
 
     def unsupported(self, cfg: RunConfig) -> str | None:
