@@ -1,7 +1,7 @@
 """Sweeps on the real local Slurm cluster (slurm/local-cluster/start.sh: two emulated nodes on this host)
 through real submitit jobs: a 2-rank run, a 2-node × 2-task run, job arrays of several runs, a failing run,
 and the runs Slurm ends: a time limit, scancel, a preemption (requeued or not), a sweep's Ctrl-C.
-The slow ones start in the background first (`limit_sweep`) and are checked at the end.
+The slow ones start in the background first (the `background` fixture) and are checked at the end.
 
 Outside CI these skip with the reason when the cluster is not up; under CI (CI=true) that is a failure.
 """
@@ -58,23 +58,47 @@ def _start_sweep(path: Path, text: str, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.fixture(scope="module")
-def limit_sweep(cluster, tmp_path_factory):
-    """Started first, checked last: a run that sleeps past its job's 1-minute time limit (Slurm's finest;
-    slurmctld enforces limits every 30 s, so it ends 60-100 s after it starts)."""
-    tmp = tmp_path_factory.mktemp("limit")
-    proc = _start_sweep(tmp / "limit.yaml", """
-name: limit-test
-base: {steps: 3, warmup: 0, fault: "sleep:200000"}
-grid: {seed: [0]}
-launcher: {kind: slurm, profile: local, time_min: 1}
-""")
-    yield {"proc": proc, "out": tmp / "limit"}
-    _stop(proc)
+def _nodes() -> list[str]:
+    return subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N"], capture_output=True, text=True,
+                          timeout=10).stdout.split()
 
 
 @pytest.fixture(scope="module")
-def slurm_sweep(cluster, limit_sweep, tmp_path_factory):
+def background(cluster, tmp_path_factory):
+    """The slow sweeps, started first and checked by the tests at the end, so that their waits overlap:
+    on the first node a run that sleeps past its job's 1-minute time limit (Slurm's finest; slurmctld
+    enforces limits every 30 s, so it ends 60-100 s after it starts) and the sweep a test interrupts
+    with Ctrl-C (a quick run and two sleepers); on the second the run the preemption test preempts
+    without requeue. (Preemption takes the second node: nothing else may run there then.)"""
+    first, second = _nodes()[:2]
+    tmp = tmp_path_factory.mktemp("background")
+    sweeps = {
+        "limit": f"""
+base: {{steps: 3, warmup: 0, fault: "sleep:200000"}}
+grid: {{seed: [0]}}
+launcher: {{kind: slurm, profile: local, time_min: 1, slurm_additional_parameters: {{nodelist: {first}}}}}
+""",
+        "interrupt": f"""
+base: {{steps: 3, warmup: 0}}
+runs:
+  - {{seed: 0}}
+  - {{seed: 1, fault: "sleep:200000"}}
+  - {{seed: 2, fault: "sleep:200000"}}
+launcher: {{kind: slurm, profile: local, slurm_additional_parameters: {{nodelist: {first}}}}}
+""",
+        "preempt-false": f"""
+base: {{steps: 3, warmup: 0, fault: "sleep:200000", timeout_s: 120}}
+grid: {{seed: [0]}}
+launcher: {{kind: slurm, profile: local, requeue: false, slurm_additional_parameters: {{nodelist: {second}}}}}
+"""}
+    procs = {name: _start_sweep(tmp / f"{name}.yaml", f"name: {name}-test\n{text}") for name, text in sweeps.items()}
+    yield {name: (proc, tmp / name) for name, proc in procs.items()} | {"second": second}
+    for proc in procs.values():
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def slurm_sweep(cluster, background, tmp_path_factory):
     """One sweep, three job arrays: world 1 (three seeds), world 2 (an ok run and a failing one) and
     world 4 as 2 nodes × 2 tasks (ranks_per_node 2): tp 2 inside a node, dp 2 across the nodes."""
     from bench.sweep.runner import prepare, run_sweep
@@ -186,64 +210,49 @@ launcher: {kind: slurm, profile: local}
     _assert_resume_reruns(tmp_path / "c", {row.run_id})
 
 
-def test_preempted_job_is_requeued_when_the_profile_asks_else_cancelled(cluster, tmp_path):
-    """Two sweeps, one run each, preempted by a job of the urgent partition that takes their node:
-    `requeue: true` runs the job again (slurm_attempts 2, an ok row), `requeue: false` ends it (cancelled,
-    Slurm's PREEMPTED as the reason)."""
-    runs = {}
-    for requeue, sleep_ms in ((True, 1000), (False, 200000)):
-        name = f"preempt-{str(requeue).lower()}"
-        runs[requeue] = (name, _start_sweep(tmp_path / f"{name}.yaml", f"""
-name: {name}
-base: {{steps: 3, warmup: 0, fault: "sleep:{sleep_ms}", timeout_s: 120}}
+def test_preempted_job_is_requeued_when_the_profile_asks_else_cancelled(background, tmp_path):
+    """Two sweeps of one run each on the second node, preempted by a job of the urgent partition that
+    takes that node: `requeue: true` runs the job again (slurm_attempts 2, an ok row), `requeue: false`
+    ends it (cancelled, Slurm's PREEMPTED as the reason)."""
+    node = background["second"]
+    ended_proc, ended_out = background["preempt-false"]
+    again_proc = _start_sweep(tmp_path / "preempt-true.yaml", f"""
+name: preempt-true-test
+base: {{steps: 2, warmup: 0, fault: "sleep:500", timeout_s: 120}}
 grid: {{seed: [0]}}
-launcher: {{kind: slurm, profile: local, requeue: {str(requeue).lower()}}}
-"""))
+launcher: {{kind: slurm, profile: local, requeue: true, slurm_additional_parameters: {{nodelist: {node}}}}}
+""")
     try:
-        jobs = {requeue: _wait_running(f"bench-{name}", timeout=90) for requeue, (name, _) in runs.items()}
-        time.sleep(1)
-        urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "--exclusive", "-N", "2", "-o", "/dev/null",
+        job = _wait_running("bench-preempt-true-test", timeout=90)[0]
+        _wait_running("bench-preempt-false-test", timeout=30)
+        urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "--exclusive", "-w", node, "-o", "/dev/null",
                                  "--wrap", "sleep 1"], capture_output=True, text=True, timeout=10, check=True)
         _wait_gone(urgent.stdout.strip(), timeout=60)
-        job = jobs[True][0]  # Slurm holds a requeued job back for 2 minutes (BeginTime): release it now
+        # Slurm holds a requeued job back for 2 minutes (its BeginTime): release it now
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], capture_output=True, timeout=10)
-        outs = {requeue: proc.communicate(timeout=120) for requeue, (_, proc) in runs.items()}
+        outs = [proc.communicate(timeout=120) for proc in (again_proc, ended_proc)]
     finally:
-        for _, proc in runs.values():
-            _stop(proc)
-    for requeue, (name, proc) in runs.items():
-        assert proc.returncode == 0, outs[requeue][1]
+        _stop(again_proc)
+    assert again_proc.returncode == 0 and ended_proc.returncode == 0, [err for _, err in outs]
     again = _rows(tmp_path / "preempt-true").iloc[0]
     assert again.status == "ok" and again.slurm_attempts == 2, (again.status, again.error)
-    ended = _rows(tmp_path / "preempt-false").iloc[0]
+    ended = _rows(ended_out).iloc[0]
     assert ended.status == "cancelled" and "preempted" in ended.error and "Slurm state PREEMPTED" in ended.error
-    _assert_resume_reruns(tmp_path / "preempt-false", {ended.run_id})
+    _assert_resume_reruns(ended_out, {ended.run_id})
 
 
-def test_ctrl_c_cancels_the_sweeps_jobs_and_keeps_the_finished_rows(cluster, tmp_path):
+def test_ctrl_c_cancels_the_sweeps_jobs_and_keeps_the_finished_rows(background):
     """Ctrl-C while one run has finished and two more are running: the sweep exits 130 only after
     Slurm has ended its jobs (squeue lists none, no task process is left), the finished row is kept,
     and --resume would launch exactly the other two."""
-    proc = _start_sweep(tmp_path / "i.yaml", """
-name: interrupt-test
-base: {steps: 3, warmup: 0}
-runs:
-  - {seed: 0}
-  - {seed: 1, fault: "sleep:200000"}
-  - {seed: 2, fault: "sleep:200000"}
-launcher: {kind: slurm, profile: local}
-""")
-    out = tmp_path / "i"
-    try:
-        deadline = time.monotonic() + 120
-        while not (list((out / "runs").glob("*.json")) if (out / "runs").is_dir() else []):
-            assert time.monotonic() < deadline and proc.poll() is None, "the quick run never finished"
-            time.sleep(0.3)
-        _wait_running("bench-interrupt-test", timeout=60, count=2)  # the two sleepers (the quick one may be ending)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=90)
-    finally:
-        _stop(proc)
+    proc, out = background["interrupt"]
+    deadline = time.monotonic() + 120
+    while not (list((out / "runs").glob("*.json")) if (out / "runs").is_dir() else []):
+        assert time.monotonic() < deadline and proc.poll() is None, "the quick run never finished"
+        time.sleep(0.3)
+    _wait_running("bench-interrupt-test", timeout=60, count=2)  # the two sleepers (the quick one may be ending)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=90)
     assert proc.returncode == 130, stderr
     queued = subprocess.run(["squeue", "-h", "-n", "bench-interrupt-test", "-o", "%i %T"], capture_output=True,
                             text=True, timeout=10).stdout
@@ -255,15 +264,15 @@ launcher: {kind: slurm, profile: local}
     _assert_resume_reruns(out, {_run_id(out, seed) for seed in (1, 2)})
 
 
-def test_time_limit_kill_is_a_timeout_row_with_slurms_reason(limit_sweep):
-    proc = limit_sweep["proc"]
+def test_time_limit_kill_is_a_timeout_row_with_slurms_reason(background):
+    proc, out = background["limit"]
     _, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, stderr
-    row = _rows(limit_sweep["out"]).iloc[0]
+    row = _rows(out).iloc[0]
     assert row.status == "timeout" and "reached its time limit" in row.error, row.error
     assert "Slurm state" in row.error  # TIMEOUT, or FAILED when submitit's USR2 handler ended it first
-    assert not list((limit_sweep["out"] / "runs").glob(".*.tmp"))  # nothing half-written
-    _assert_resume_reruns(limit_sweep["out"], {row.run_id})
+    assert not list((out / "runs").glob(".*.tmp"))  # nothing half-written
+    _assert_resume_reruns(out, {row.run_id})
 
 
 def _stop(proc: subprocess.Popen) -> None:
