@@ -338,6 +338,19 @@ def test_requeue_needs_a_folder_every_node_sees():
     assert reason and mount_type(Path("/tmp")) in reason and "local file system" in reason
 
 
+def test_resume_reruns_what_slurm_interrupted_and_keeps_other_outcomes():
+    """No cluster needed: which stored rows `--resume` launches again."""
+    from bench.config import RunConfig
+    from bench.results import failure_row
+    from bench.sweep.runner import to_launch
+    runs = [RunConfig(seed=seed) for seed in range(5)]
+    outcomes = [("slurm", "cancelled"), ("slurm", "timeout"), ("local", "timeout"), ("slurm", "failed"), None]
+    stored = {cfg.run_id: {**failure_row(cfg, status, "why"), "launcher": launcher}
+              for cfg, outcome in zip(runs, outcomes) if outcome for launcher, status in [outcome]}
+    assert [c.seed for c in to_launch(runs, stored)] == [0, 1, 4]  # a hung local run's timeout is a result
+    assert [c.seed for c in to_launch(runs, stored, retry_failed=True)] == [0, 1, 2, 3, 4]
+
+
 def test_task_environment_of_a_two_node_job_comes_from_submitit():
     """What a rank of a 2-node × 2-task submitit job exports for torch.distributed (no cluster needed:
     these are the variables Slurm and submitit's batch script set in such a task)."""
