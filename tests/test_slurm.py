@@ -68,7 +68,7 @@ def background(cluster, tmp_path_factory):
     """The slow sweeps, started first and checked by the tests at the end, so that their waits overlap:
     on the first node a run that sleeps past its job's 1-minute time limit (Slurm's finest; slurmctld
     enforces limits every 30 s, so it ends 60-100 s after it starts) and the sweep a test interrupts
-    with Ctrl-C (a quick run and two sleepers); on the second the run the preemption test preempts
+    with Ctrl-C (a quick run and two sleepers, one at a time); on the second the run the preemption test preempts
     without requeue. (Preemption takes the second node: nothing else may run there then.)"""
     first, second = _nodes()[:2]
     tmp = tmp_path_factory.mktemp("background")
@@ -84,7 +84,7 @@ runs:
   - {{seed: 0}}
   - {{seed: 1, fault: "sleep:200000"}}
   - {{seed: 2, fault: "sleep:200000"}}
-launcher: {{kind: slurm, profile: local, slurm_additional_parameters: {{nodelist: {first}}}}}
+launcher: {{kind: slurm, profile: local, max_parallel: 1, slurm_additional_parameters: {{nodelist: {first}}}}}
 """,
         "preempt-false": f"""
 base: {{steps: 3, warmup: 0, fault: "sleep:200000", timeout_s: 120}}
@@ -242,7 +242,7 @@ launcher: {{kind: slurm, profile: local, requeue: true, slurm_additional_paramet
 
 
 def test_ctrl_c_cancels_the_sweeps_jobs_and_keeps_the_finished_rows(background):
-    """Ctrl-C while one run has finished and two more are running: the sweep exits 130 only after
+    """Ctrl-C while one run has finished, one is running and one queued: the sweep exits 130 only after
     Slurm has ended its jobs (squeue lists none, no task process is left), the finished row is kept,
     and --resume would launch exactly the other two."""
     proc, out = background["interrupt"]
@@ -250,7 +250,10 @@ def test_ctrl_c_cancels_the_sweeps_jobs_and_keeps_the_finished_rows(background):
     while not (list((out / "runs").glob("*.json")) if (out / "runs").is_dir() else []):
         assert time.monotonic() < deadline and proc.poll() is None, "the quick run never finished"
         time.sleep(0.3)
-    _wait_running("bench-interrupt-test", timeout=60, count=2)  # the two sleepers (the quick one may be ending)
+    deadline = time.monotonic() + 60
+    while _states("bench-interrupt-test") != ["PENDING", "RUNNING"]:  # the quick job gone, a sleeper running
+        assert time.monotonic() < deadline, _states("bench-interrupt-test")
+        time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=90)
     assert proc.returncode == 130, stderr
@@ -308,6 +311,11 @@ def _wait_running(name: str, timeout: float, count: int = 1) -> list[str]:
             return out
         time.sleep(0.3)
     raise AssertionError(f"{count} job(s) {name} did not start within {timeout} s")
+
+
+def _states(name: str) -> list[str]:
+    return sorted(subprocess.run(["squeue", "-h", "-r", "-n", name, "-o", "%T"], capture_output=True, text=True,
+                                 timeout=10).stdout.split())
 
 
 def _wait_gone(job: str, timeout: float) -> None:
