@@ -67,7 +67,8 @@ def _nodes() -> list[str]:
 def background(cluster, tmp_path_factory):
     """The slow sweeps, started first and checked by the tests at the end, so that their waits overlap:
     on the first node a run that sleeps past its job's 1-minute time limit (Slurm's finest; slurmctld
-    enforces limits every 30 s, so it ends 60-100 s after it starts) and the sweep a test interrupts
+    enforces limits every 30 s, so it ends 60-100 s after it starts; no early warning signal, which
+    Slurm may send 30 s before it is due: at once here, before the task can handle it) and the sweep a test interrupts
     with Ctrl-C (a quick run and two sleepers, one at a time); on the second the run the preemption test preempts
     without requeue. (Preemption takes the second node: nothing else may run there then.)"""
     first, second = _nodes()[:2]
@@ -76,7 +77,8 @@ def background(cluster, tmp_path_factory):
         "limit": f"""
 base: {{steps: 3, warmup: 0, fault: "sleep:200000"}}
 grid: {{seed: [0]}}
-launcher: {{kind: slurm, profile: local, time_min: 1, slurm_additional_parameters: {{nodelist: {first}}}}}
+launcher: {{kind: slurm, profile: local, time_min: 1, signal_delay_s: 0,
+           slurm_additional_parameters: {{nodelist: {first}}}}}
 """,
         "interrupt": f"""
 base: {{steps: 3, warmup: 0}}

@@ -75,6 +75,8 @@ class SlurmProfile:
     srun_args: Lines = ("--kill-on-bad-exit=1",)
     """A rank that fails takes the others down instead of leaving them in a collective."""
     signal_delay_s: Count = 30
+    """Seconds before the time limit that Slurm signals the job (USR2, submitit's handler); Slurm sends it up to
+    30 s earlier still, so keep it well below the time limit (with a 1-minute limit: 0, none)."""
     slurm_additional_parameters: dict = field(default_factory=dict)
     """Any other sbatch option, e.g. {reservation: my-res}."""
     poll_s: Annotated[float, Gt(0)] = 1.0
