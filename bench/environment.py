@@ -80,6 +80,13 @@ def _cuda() -> dict:
     return {"device_count": torch.cuda.device_count(), "cuda_version": torch.version.cuda, "nccl_version": nccl}
 
 
+def node_name() -> str:
+    """The node this process runs on: the node name Slurm started the task on (SLURMD_NODENAME), else
+    the host name. On a real cluster the two agree; on the emulated cluster of slurm/local-cluster every
+    node is one slurmd of this one host, so its Slurm node name is the only truthful distinction."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def environment() -> dict:
     return {
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

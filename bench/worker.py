@@ -25,6 +25,7 @@ from bench.backends.registry import get_backend
 from bench.config import RunConfig, parse_fault
 from bench import device as bench_device
 from bench.distributed import ProcessGroups, rank_session
+from bench.environment import node_name
 from bench.metrics.comm import CommCounter
 from bench.metrics.flops import peak_flops
 from bench.metrics.memory import PeakMemory, state_bytes
@@ -203,7 +204,7 @@ def _measure(trainer: Trainer, trace_dir: str | None = None) -> RankResult:
                       peak_mem_reserved_bytes=mem.reserved_peak_bytes, alloc_retries=mem.alloc_retries,
                       host_syncs=syncs.total, cuda_syncs=syncs.cuda_syncs, state=state, comm=counter.totals(),
                       extras=extras, peak_flops=peak_flops(device, cfg.dtype) if groups.rank == 0 else None,
-                      device_name=bench_device.device_name(device))
+                      device_name=bench_device.device_name(device), node=node_name())
 
 
 def _warm_up(train, trainer, cfg: RunConfig, device: torch.device) -> tuple[list[float], list[float]]:

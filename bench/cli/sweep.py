@@ -11,7 +11,8 @@ COMMANDS: list[click.Command] = []
 @click.option("--dry-run", is_flag=True, help="print the expanded runs with their predicted step time, tokens/s and "
                                               "peak memory (and skipped or pruned ones, with the reason); launch nothing")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="output folder (default results/<name>/)")
-@click.option("--resume", is_flag=True, help="skip runs already stored in OUT (ok or not); run the missing ones")
+@click.option("--resume", is_flag=True, help="skip runs already stored in OUT; run the missing ones and those Slurm "
+                                             "interrupted (a cancelled or timed-out Slurm job)")
 @click.option("--retry-failed", is_flag=True, help="like --resume, but rerun stored failed/oom/timeout/cancelled runs")
 @click.option("--launcher", type=click.Choice(["local", "slurm", "debug"]), default=None,
               help="override the sweep file's launcher")

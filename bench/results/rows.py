@@ -22,6 +22,13 @@ def failure_row(cfg: RunConfig, status: str, error: str, failed_rank: int | None
     return _row(cfg.to_row(), status, error, failed_rank)
 
 
+def interrupted(row: dict) -> bool:
+    """Whether a stored row's run was ended by its scheduler, not by what it ran: a Slurm job cancelled
+    (scancel, a preemption it was not requeued after) or killed at its time limit.
+    `--resume` reruns such runs."""
+    return row.get("launcher") == "slurm" and row["status"] in (Status.CANCELLED, Status.TIMEOUT)
+
+
 def skipped_row(run: RunConfig | dict, reason: str) -> dict:
     """A combination that cannot run: a RunConfig the launcher cannot place (its own run_id), or sweep
     parameters RunConfig refused (every config column with defaults filled in, and an id hashed from them)."""
@@ -88,6 +95,8 @@ class RankResult:
     extras: dict
     """The backend's own columns (Trainer.extras)."""
     device_name: str
+    node: str = ""
+    """The node it ran on (bench.environment.node_name)."""
     peak_flops: tuple[float, str] | None = None
     """The MFU denominator and its source; rank 0 only."""
     peak_mem_reserved_bytes: int | None = None
@@ -111,7 +120,7 @@ def measured_row(cfg: RunConfig, ranks: list[RankResult]) -> dict:
            "peak_mem_bytes": over_ranks("peak_mem_bytes", [r.peak_mem for r in ranks]),
            "peak_mem_bytes_per_rank": json.dumps([r.peak_mem for r in ranks]),
            "loss_first": losses[0], "loss_last": losses[-1], "losses": json.dumps(losses),
-           "device_name": ranks[0].device_name}
+           "device_name": ranks[0].device_name, "node_per_rank": json.dumps([r.node for r in ranks])}
     row["mfu"] = row["tflops_per_device"] * 1e12 / peak
     for name, key in (("peak_mem_reserved_bytes", "peak_mem_reserved_bytes"), ("alloc_retries", "alloc_retries"),
                       ("host_syncs_per_step", "host_syncs"), ("cuda_syncs_per_step", "cuda_syncs")):

@@ -258,6 +258,10 @@ DECLARED: list[Column | Family] = [
     Column("python_version", "str", "Python version", Kind.ENVIRONMENT, ranks="rank0"),
     Column("slurm_job_id", "str", "Slurm job id (array jobs: ARRAYID_INDEX)", Kind.ENVIRONMENT, ranks="rank0"),
     Column("slurm_array_task_id", "str", "index within the Slurm job array", Kind.ENVIRONMENT, ranks="rank0"),
+    Column("slurm_attempts", "int", "Slurm: how many times the job started (1 + its requeues: preemption with "
+           "`requeue: true`)", Kind.ENVIRONMENT, ranks="rank0", always=False),
+    Column("node_per_rank", "str", "node each rank ran on, by global rank (JSON list; SLURMD_NODENAME in a Slurm "
+           "task, else the host name)", Kind.ENVIRONMENT, ranks="per-rank", always=False),
     # ok rows only: per-rank lists and the loss curve
     _measured("peak_mem_bytes_per_rank", "str", "bytes", "peak_mem_bytes of each rank (JSON list)", "per-rank",
               always=False),

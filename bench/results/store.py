@@ -57,6 +57,12 @@ class ResultStore:
         os.replace(tmp, path)
         return row
 
+    def discard_partial(self, run_id: str) -> None:
+        """Remove what a writer killed mid-write left of `run_id`'s row (its temporary file; the row
+        itself appears whole or not at all)."""
+        for tmp in self.runs.glob(f".{run_id}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
     def files(self) -> list[Path]:
         return sorted(self.runs.glob("*.json")) if self.runs.is_dir() else []
 

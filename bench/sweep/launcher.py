@@ -18,8 +18,8 @@ class Launcher(Protocol):
         """Why this launcher cannot place `cfg` (the run becomes a skipped row), or None."""
         return None
 
-    def check_ready(self) -> None:
-        """Raise before anything is written when this machine cannot launch at all."""
+    def check_ready(self, runs: list[RunConfig]) -> None:
+        """Raise before anything is written when this machine cannot launch these runs at all."""
 
     def launch(self, runs: list[RunConfig], started: Callable[[RunConfig], None],
                finished: Callable[..., None]) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.config import ConfigError, RunConfig
 from bench.layout import named_dims
-from bench.results import PROBLEMS, Status, skipped_row
+from bench.results import PROBLEMS, Status, interrupted, skipped_row
 from bench.sweep.launcher import Launcher
 from bench.sweep.spec import Expansion, SweepError, SweepSpec, describe, expand
 from bench.results.store import ResultStore
@@ -149,10 +149,10 @@ def run_sweep(sweep: PreparedSweep, resume: bool = False, retry_failed: bool = F
     if held and not (resume or retry_failed):
         raise ValueError(f"{out} already holds {len(held)} run row(s); add --resume to skip the finished runs "
                          "(--retry-failed to rerun the failed ones too), or choose another --out")
-    launch.check_ready()
+    launch.check_ready(exp.runs)
     for line in store.set_aside():  # a corrupt row is no result: its run is launched again
         print(f"warning: {line}", file=sys.stderr)
-    stored = store.statuses()
+    stored = {row["run_id"]: row for row in store.rows()}
     out.mkdir(parents=True, exist_ok=True)
     source = Path(spec.source)
     if source.is_file() and source.resolve() != (out / "sweep.yaml").resolve():
@@ -165,19 +165,13 @@ def run_sweep(sweep: PreparedSweep, resume: bool = False, retry_failed: bool = F
         outcome.rows.append(row)
         outcome.counts[row["status"]] += 1
 
-    todo = []
+    todo = to_launch(exp.runs, stored, retry_failed)
+    outcome.resumed += len(exp.runs) - len(todo)
     for row in exp.skipped:
-        if row["run_id"] in exp.pruned and stored.get(row["run_id"]) not in (None, Status.SKIPPED):
+        if row["run_id"] in exp.pruned and stored.get(row["run_id"], {}).get("status") not in (None, Status.SKIPPED):
             outcome.resumed += 1  # a stored outcome outranks a prediction: keep it
             continue
         record(row)
-    for cfg in exp.runs:
-        previous = stored.get(cfg.run_id)  # a stored skipped row (pruned, unplaceable then) is not done
-        if previous == Status.OK or (previous not in (None, Status.SKIPPED) and not retry_failed):
-            outcome.resumed += 1
-        else:
-            todo.append(cfg)
-
     bar = SweepProgress(len(todo), outcome.counts, enabled=progress)
     if outcome.resumed:
         bar.log(f"resume: {outcome.resumed} run(s) already stored in {out}/runs, not launched")
@@ -194,6 +188,17 @@ def run_sweep(sweep: PreparedSweep, resume: bool = False, retry_failed: bool = F
     store.write_parquet()
     outcome.wall_s = time.monotonic() - t_start
     return outcome
+
+
+def to_launch(runs: list[RunConfig], stored: dict[str, dict], retry_failed: bool = False) -> list[RunConfig]:
+    """The runs a sweep launches, given the rows `stored` by run_id: those without a row, a skipped one
+    (pruned, or unplaceable then), or one the scheduler interrupted (`interrupted`); with `retry_failed`
+    every row but an ok one too."""
+    def done(row: dict | None) -> bool:
+        if row is None or row["status"] == Status.SKIPPED or interrupted(row):
+            return False
+        return row["status"] == Status.OK or not retry_failed
+    return [cfg for cfg in runs if not done(stored.get(cfg.run_id))]
 
 
 def check_profile(runs: list[RunConfig], launch: Launcher, out: Path) -> None:

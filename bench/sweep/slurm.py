@@ -5,7 +5,9 @@ Each run is a job of `nodes` × `tasks_per_node` tasks (one task per rank). Ever
 TorchDistributedEnvironment maps the SLURM_* variables to RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR
 and draws MASTER_PORT from the job id): no torchrun inside the job. Rank 0 writes the
 run's row to the results store itself, so a sweep process that dies loses no finished run; the sweep
-writes only the rows of jobs that ended without one (failed, timeout, oom, cancelled).
+writes only the rows of jobs that ended without one (failed, timeout, oom, cancelled: a time limit, an
+scancel or a preemption, with Slurm's own state as the reason). A sweep that stops (Ctrl-C, an error)
+cancels every job it has not collected and waits until Slurm has ended them.
 
 Cluster settings live in named profiles, slurm/profiles/<name>.yaml (keys: PROFILE_KEYS); a sweep file
 may override any of them under `launcher:`. A profile is a pydantic dataclass (strict types, bounds
@@ -49,11 +51,12 @@ class SlurmProfile:
     qos: str | None = None
     constraint: str | None = None
     ranks_per_node: Positive = 8
-    """Most ranks (tasks) one node runs: a run of world size W takes ceil(W / ranks_per_node) nodes."""
+    """Most ranks (tasks) one node runs: a run of world size W takes ceil(W / ranks_per_node) nodes
+    (with gpus_per_node set, one rank per GPU: ceil(W / gpus_per_node))."""
     nodes: Positive | None = None
     """Fixed node count (overrides ranks_per_node); the world size must be a multiple of it."""
     gpus_per_node: Count = 0
-    """GPUs requested per node (0: request none)."""
+    """GPUs requested per node, one rank each (0: request none); it must divide every larger world size."""
     cpus_per_task: Count = 1
     mem_gb: Annotated[float, Gt(0)] | None = None
     time_min: Count | None = None
@@ -62,6 +65,9 @@ class SlurmProfile:
     """Concurrency cap of each job array (the %N of --array)."""
     exclusive: bool = False
     """Whole nodes per job (--exclusive): use for timed runs."""
+    requeue: bool = False
+    """A preempted job goes back to the queue and runs again (--requeue; the row's slurm_attempts counts the
+    starts); false: it ends, a cancelled row (--no-requeue). Needs an output folder every node sees."""
     setup: Lines = ()
     """Shell lines run in the batch script before the tasks start (module load, venv activation…)."""
     env: dict = field(default_factory=dict)
@@ -69,6 +75,8 @@ class SlurmProfile:
     srun_args: Lines = ("--kill-on-bad-exit=1",)
     """A rank that fails takes the others down instead of leaving them in a collective."""
     signal_delay_s: Count = 30
+    """Seconds before the time limit that Slurm signals the job (USR2, submitit's handler); Slurm sends it up to
+    30 s earlier still, so keep it well below the time limit (with a 1-minute limit: 0, none)."""
     slurm_additional_parameters: dict = field(default_factory=dict)
     """Any other sbatch option, e.g. {reservation: my-res}."""
     poll_s: Annotated[float, Gt(0)] = 1.0
@@ -76,8 +84,25 @@ class SlurmProfile:
 
     def shape(self, cfg: RunConfig) -> tuple[int, int]:
         """(nodes, tasks per node) of a run."""
-        nodes = self.nodes or math.ceil(cfg.world / self.ranks_per_node)
+        nodes = self.nodes or math.ceil(cfg.world / (self.gpus_per_node or self.ranks_per_node))
         return nodes, math.ceil(cfg.world / nodes)
+
+    def problem(self, cfg: RunConfig, cluster_nodes: int) -> str | None:
+        """Why no run of this shape can go to this cluster, as one line naming the key and the fix (the
+        sweep is refused before anything is submitted); `cluster_nodes`: the partition's node count."""
+        nodes, _ = self.shape(cfg)
+        if self.gpus_per_node and cfg.world > self.gpus_per_node and cfg.world % self.gpus_per_node:
+            return (f"slurm profile {self.name}: gpus_per_node = {self.gpus_per_node} does not divide world size "
+                    f"{cfg.world} (one rank per GPU, whole nodes): choose gpus_per_node dividing {cfg.world}, or a "
+                    f"world size that is a multiple of {self.gpus_per_node}")
+        if nodes > cluster_nodes:
+            per_node = "gpus_per_node" if self.gpus_per_node else "ranks_per_node"
+            asked, fix = ((f"nodes = {nodes}", f"set nodes ≤ {cluster_nodes}") if self.nodes else
+                          (f"world size {cfg.world} at {per_node} = {getattr(self, per_node)} needs {nodes} nodes",
+                           f"raise {per_node} or use a smaller world size"))
+            return (f"slurm profile {self.name}: {asked}, but partition {self.partition or '(default)'} has "
+                    f"{cluster_nodes}: {fix}")
+        return None
 
     def unsupported(self, cfg: RunConfig) -> str | None:
         nodes, per_node = self.shape(cfg)
@@ -143,6 +168,7 @@ def slurm_task(cfg_dict: dict, store: ResultStore, submitted: float) -> dict | N
     row = with_predictions(cfg, row)
     job = os.environ.get("SLURM_ARRAY_JOB_ID")
     row["slurm_job_id"] = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID")
+    row["slurm_attempts"] = int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
     row["wall_s"] = time.time() - submitted  # includes waiting in the array (the cluster's clocks agree)
     return store.write(row)  # at once, and only here: the row survives a sweep process that died meanwhile
 
@@ -158,13 +184,24 @@ class SlurmLauncher(Launcher):
     def unsupported(self, cfg: RunConfig) -> str | None:
         return self.profile.unsupported(cfg)
 
-    def check_ready(self) -> None:
-        """Fail before anything is written when this machine cannot submit (and watch) Slurm jobs."""
+    def check_ready(self, runs: list[RunConfig]) -> None:
+        """Fail before anything is written when this machine cannot submit (and watch) Slurm jobs, or when
+        the profile asks for what the cluster cannot give these runs (`SlurmProfile.problem`)."""
         import shutil
-        missing = [tool for tool in ("sbatch", "srun", "sacct", "scancel") if shutil.which(tool) is None]
+        missing = [tool for tool in ("sbatch", "srun", "sacct", "scancel", "sinfo") if shutil.which(tool) is None]
         if missing:
             raise ValueError(f"the slurm launcher needs {', '.join(missing)} on PATH (no Slurm here?); start the "
                              "local test cluster with slurm/local-cluster/start.sh, or use --launcher local")
+        hosts = partition_hosts(self.profile.partition)
+        for cfg in runs:
+            problem = self.profile.problem(cfg, len(hosts))
+            if problem:
+                raise ValueError(problem)
+        if self.profile.requeue and runs:
+            problem = unshared_reason(self.out, hosts)
+            if problem:
+                raise ValueError(f"slurm profile {self.profile.name}: requeue = true, but {problem}: put --out on a "
+                                 "file system every node mounts, or set requeue: false")
 
     def _executor(self, cfg: RunConfig, count: int):
         import submitit
@@ -187,6 +224,7 @@ class SlurmLauncher(Launcher):
                 params[f"slurm_{key}"] = getattr(p, key)
         if p.exclusive:  # submitit writes --exclusive=False for False, which sbatch rejects
             params["slurm_exclusive"] = True
+        params["slurm_additional_parameters"]["requeue" if p.requeue else "no-requeue"] = True  # Slurm's default: requeue
         ex.update_parameters(**params)
         return ex
 
@@ -203,13 +241,11 @@ class SlurmLauncher(Launcher):
                 with ex.batch():
                     jobs = [ex.submit(slurm_task, cfg.to_dict(), self.store, now) for cfg in cfgs]
                 submitted = time.monotonic()
-                pending += [_Tracked(cfg, job, submitted) for cfg, job in zip(cfgs, jobs)]
+                pending += [_Tracked(cfg, job, submitted, self.profile.requeue) for cfg, job in zip(cfgs, jobs)]
             self.jobs = [t.job for t in pending]
             self._watch(pending, started, finished)
         except BaseException:  # Ctrl-C or an error here: do not leave jobs running unattended
-            for t in pending:
-                if not t.collected:
-                    t.job.cancel(check=False)
+            cancel_and_wait([t.job.job_id for t in pending if not t.collected])
             raise
 
     def _watch(self, pending: list["_Tracked"], started: Callable, finished: Callable) -> None:
@@ -231,6 +267,7 @@ class SlurmLauncher(Launcher):
                     written = row["status"] == Status.OK  # by the task itself
                     if not written:
                         row["wall_s"] = time.monotonic() - t.submitted  # includes waiting in the array
+                        self.store.discard_partial(row["run_id"])  # a rank 0 killed while writing its row
                     finished(t.cfg, row, written)
             time.sleep(self.profile.poll_s)
 
@@ -243,6 +280,8 @@ class _Tracked:
     cfg: RunConfig
     job: object
     submitted: float
+    requeue: bool
+    """Whether Slurm requeues the job when preempted (else PREEMPTED is its end)."""
     started: float = 0.0
     """monotonic time the job was first seen running (0: not yet)"""
     collected: bool = False
@@ -267,7 +306,7 @@ class _Tracked:
         """The run's row once it is known, else None."""
         outcomes = self._outcomes()
         finished_state = state not in ("PENDING", "RUNNING", "UNKNOWN", "READY", "REQUEUED", "COMPLETING",
-                                       "PREEMPTED", "CONFIGURING", "SUSPENDED", "")
+                                       "CONFIGURING", "SUSPENDED", "", *(("PREEMPTED",) if self.requeue else ()))
         if all(o is not None and o[0] == "success" for o in outcomes):
             return outcomes[0][1]  # the row rank 0 wrote
         if not finished_state:
@@ -278,10 +317,12 @@ class _Tracked:
         # the first rank to fail is the cause; the others fail after it (a peer closed the connection)
         errors = sorted(((o[2], rank, o[1]) for rank, o in enumerate(outcomes) if o is not None and o[0] == "error"))
         errors = [(rank, text) for _, rank, text in errors]
-        log = f"(job {self.job.job_id}; logs: {self.job.paths.stderr})"
-        if state.startswith(("CANCELLED", "PREEMPTED")):
-            return "cancelled", f"Slurm job {self.job.job_id} was {state.lower()} {log}", None
-        if state == "TIMEOUT" or any("timed-out" in str(text) for _, text in errors):
+        log = f"(Slurm state {state}; logs: {self.job.paths.stderr})"  # Slurm's reason, as sacct words it
+        if state.startswith("CANCELLED"):
+            return "cancelled", f"Slurm job {self.job.job_id} was cancelled {log}", None
+        if state == "PREEMPTED":
+            return "cancelled", f"Slurm job {self.job.job_id} was preempted and not requeued {log}", None
+        if state == "TIMEOUT" or any("timed-out" in str(text) for _, text in errors):  # submitit's USR2 handler
             return "timeout", f"Slurm job {self.job.job_id} reached its time limit {log}", None
         if state == "OUT_OF_MEMORY":
             return "oom", f"Slurm job {self.job.job_id} ran out of memory {log}", None
@@ -294,3 +335,59 @@ class _Tracked:
     def _ids(self) -> dict:
         job_id = str(self.job.job_id)
         return {"slurm_job_id": job_id, "slurm_array_task_id": job_id.split("_")[1] if "_" in job_id else None}
+
+
+def partition_hosts(partition: str | None) -> dict[str, str]:
+    """Node name → host name of every node of `partition` (None: the default one, sinfo's `*`), from sinfo."""
+    import subprocess
+    args = ["sinfo", "-h", "-N", "-o", "%N %n %P"]
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ValueError(f"the slurm launcher cannot list the cluster's nodes ({' '.join(args)}: {e}); "
+                         "is slurmctld up? (slurm/local-cluster/start.sh starts the local one)") from None
+    wanted = partition or next((p for *_, p in map(str.split, out.splitlines()) if p.endswith("*")), "")
+    return {node: host for node, host, p in map(str.split, out.splitlines()) if p.rstrip("*") == wanted.rstrip("*")}
+
+
+NETWORK_FILE_SYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "cifs", "smb3", "glusterfs",
+                        "fuse.sshfs", "wekafs", "orangefs")
+
+
+def unshared_reason(folder: Path, hosts: dict[str, str]) -> str | None:
+    """Why a job requeued onto another node might not find `folder` (its pickled task, its row's home),
+    or None: every node is this host (the emulated cluster), or the folder is on a network file system."""
+    import socket
+    if set(hosts.values()) <= {socket.gethostname(), socket.gethostname().split(".")[0]}:
+        return None
+    fs = mount_type(folder)
+    if fs in NETWORK_FILE_SYSTEMS:
+        return None
+    return f"the output folder {folder} is on a local file system ({fs}) and the nodes are other hosts"
+
+
+def mount_type(folder: Path) -> str:
+    """File-system type of the mount holding `folder` (the longest mount point above it, /proc/mounts)."""
+    path, best = str(Path(folder).resolve()), ("", "unknown")
+    for line in Path("/proc/mounts").read_text().splitlines():
+        point, fs = line.split()[1:3]
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best[0]):
+            best = (point, fs)
+    return best[1]
+
+
+def cancel_and_wait(job_ids: list[str], limit_s: float = 60.0) -> None:
+    """scancel every job (an array task, or a whole array by its id) and wait until squeue no longer lists
+    them, so that no job, and no task process, outlives the sweep that submitted it."""
+    import subprocess
+    ids = sorted({str(j) for j in job_ids})
+    if not ids:
+        return
+    subprocess.run(["scancel", *ids], capture_output=True, timeout=30)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        listed = subprocess.run(["squeue", "-h", "-o", "%i", "-j", ",".join(ids)], capture_output=True, text=True,
+                                timeout=30)
+        if listed.returncode == 0 and not listed.stdout.strip():
+            return
+        time.sleep(0.5)

@@ -22,3 +22,9 @@ stop_pid() {  # stop_pid PIDFILE COMM: SIGTERM, SIGKILL after 15 s; removes the 
   fi
   rm -f "$1"
 }
+
+stop_slurmds() {  # every slurmd of the emulated nodes (and the single one of an older config)
+  local pidfile
+  for pidfile in /run/slurmd-*.pid /run/slurmd.pid; do [ -e "$pidfile" ] && stop_pid "$pidfile" slurmd; done
+  return 0
+}
