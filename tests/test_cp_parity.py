@@ -42,7 +42,9 @@ FSDP = {  # world → name → fields (backend fsdp; FSDP2 shards over dp × cp)
         "cp2_dp2_grad_op": dict(cp=2, dp=2, micro_batch=2, fsdp="grad-op"),
         "cp2_dp2_hybrid": dict(cp=2, dp=2, micro_batch=2, fsdp="hybrid"),
         "cp2_tp2": dict(model="tiny-llama", cp=2, tp=2, micro_batch=2),
-        "cp2_pp2_1f1b": dict(cp=2, pp=2, micro_batch=1, micro_batches=2)},
+        "cp2_pp2_1f1b": dict(cp=2, pp=2, micro_batch=1, micro_batches=2),
+        "cp2_pp2_interleaved": dict(cp=2, pp=2, micro_batch=1, micro_batches=2, schedule="interleaved",
+                                    virtual_stages=2, fsdp="grad-op")},
     8: {"cp2_tp2_pp2": dict(cp=2, tp=2, pp=2, micro_batch=1, micro_batches=2),
         "cp2_pp2_dp2_hybrid": dict(cp=2, pp=2, dp=2, micro_batch=1, micro_batches=2, fsdp="hybrid")},
 }
