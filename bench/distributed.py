@@ -171,6 +171,8 @@ class ProcessGroups:
         for dim in DIMS:  # a sub-group of one dim's group (HSDP's replicate/shard groups split dp)
             if len(key) > 1 and set(key) <= set(self.ranks[dim]):
                 return dim
+        if len(key) > 1 and set(key) <= set(self.ranks["dp_cp"]):  # HSDP's shard group under cp: dp_shard × cp
+            return "dp"
         return "other"
 
 

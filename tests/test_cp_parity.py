@@ -4,6 +4,9 @@ composes with (issue 24's parity grid), and the planted bugs that would break it
 Each config trains `tiny` (learned positions) or `tiny-llama` (rope, GQA) from the reference weights
 on the reference batch; its loss after 3 AdamW steps and its step-1 gradient, reduced over dp × cp and
 reassembled whole, must equal the single-process run's within 1e-5 relative (fp32; the issue's number).
+The native engine hands over its reduced gradient; FSDP's is the one its optimizer applied in one plain
+SGD step (`support.parity.applied_gradients`' rule), which also sees a gradient off by a constant factor
+(the planted `grad_scale:2`, what summing over dp × cp instead of averaging would give).
 """
 import math
 
@@ -30,6 +33,23 @@ NATIVE = {  # world → name → fields
     8: {"cp2_tp2_pp2_full": dict(cp=2, tp=2, pp=2, micro_batch=1, micro_batches=2, recompute="full"),
         "cp2_pp2_dp2_zero1": dict(cp=2, pp=2, dp=2, micro_batch=1, micro_batches=2, zero=1)},
 }
+
+
+FSDP = {  # world → name → fields (backend fsdp; FSDP2 shards over dp × cp)
+    2: {"cp2": dict(cp=2, micro_batch=2),
+        "cp2_llama": dict(model="tiny-llama", cp=2, micro_batch=2, micro_batches=2, recompute="selective")},
+    4: {"cp2_dp2_full": dict(cp=2, dp=2, micro_batch=1, micro_batches=2, fsdp="full"),
+        "cp2_dp2_grad_op": dict(cp=2, dp=2, micro_batch=2, fsdp="grad-op"),
+        "cp2_dp2_hybrid": dict(cp=2, dp=2, micro_batch=2, fsdp="hybrid"),
+        "cp2_tp2": dict(model="tiny-llama", cp=2, tp=2, micro_batch=2),
+        "cp2_pp2_1f1b": dict(cp=2, pp=2, micro_batch=1, micro_batches=2),
+        "cp2_pp2_interleaved": dict(cp=2, pp=2, micro_batch=1, micro_batches=2, schedule="interleaved",
+                                    virtual_stages=2, fsdp="grad-op")},
+    8: {"cp2_tp2_pp2": dict(cp=2, tp=2, pp=2, micro_batch=1, micro_batches=2),
+        "cp2_pp2_dp2_hybrid": dict(cp=2, pp=2, dp=2, micro_batch=1, micro_batches=2, fsdp="hybrid")},
+}
+PLANT = "grad_scale:2"
+PLANTED = {2: ("cp2",), 4: ("cp2_dp2_full",), 8: ()}  # FSDP configs rerun with the planted bug
 
 
 def config(fields: dict, **extra) -> RunConfig:
@@ -66,3 +86,31 @@ def mismatches(cfg: RunConfig, got: dict) -> list[str]:
 def test_native_cp_equals_the_single_process_model(native_runs, world, name):
     failures = mismatches(config(NATIVE[world][name]), native_runs(world)[name])
     assert not failures, f"{name}: " + "\n".join(failures)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(pools):
+    """world → {(name, fault): result}, every FSDP config of a world size in one pool call."""
+    cache = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            keys = [(n, "none") for n in FSDP[world]] + [(n, PLANT) for n in PLANTED[world]]
+            cfgs = [config(FSDP[world][n], backend="fsdp", fault=f) for n, f in keys]
+            cache[world] = dict(zip(keys, run_layouts(pools(world), cfgs, timeout_s=900)))
+        return cache[world]
+    return get
+
+
+@pytest.mark.parametrize("world,name", [pytest.param(w, n, marks=[pytest.mark.slow] if w == 8 else [])
+                                        for w in FSDP for n in FSDP[w]])
+def test_fsdp_cp_equals_the_single_process_model(fsdp_runs, world, name):
+    cfg = config(FSDP[world][name], backend="fsdp")
+    failures = mismatches(cfg, fsdp_runs(world)[name, "none"])
+    assert not failures, f"{name}: " + "\n".join(failures)
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w in PLANTED for n in PLANTED[w]])
+def test_fsdp_cp_parity_catches_a_gradient_off_by_the_planted_factor(fsdp_runs, world, name):
+    cfg = config(FSDP[world][name], backend="fsdp", fault=PLANT)
+    assert any(f.startswith("grad") for f in mismatches(cfg, fsdp_runs(world)[name, PLANT]))

@@ -16,6 +16,8 @@ import pytest
 
 from bench.backends.fsdp import hybrid_shape
 from bench.config import ConfigError, RunConfig
+from bench.distributed import ProcessGroups
+from bench.layout import DIMS, Layout
 from bench.report.parity import loss_tolerance, training_signal
 from bench.report.tables import loss_parity
 from models import PRESETS, count_params
@@ -62,6 +64,17 @@ def test_hybrid_shape_shards_within_a_node_and_keeps_two_replicas():
     assert hybrid_shape(6, 8) == (2, 3)
     with pytest.raises(ValueError, match="dp ≥ 2"):
         hybrid_shape(1, 8)
+
+
+def test_the_counter_names_hsdp_shard_groups_under_cp_dp():
+    """HSDP at dp 4 (2 replicas × 2 shards) × cp 2: FSDP's shard group, dp_shard × cp, is neither a dp nor
+    a cp group but part of the gradient's dp × cp group, so its traffic is data-parallel."""
+    layout = Layout(dp=4, cp=2)  # rank = cp + 2·dp
+    groups = ProcessGroups(layout=layout, rank=0, tp=None, cp=None, pp=None, dp=None, dp_cp=None,
+                           ranks={**{d: layout.group_of(0, d) for d in DIMS}, "dp_cp": layout.groups("dp", "cp")[0]})
+    assert groups.dim_of([0, 1, 2, 3]) == "dp"  # shard ranks d ∈ {0, 1}, cp ranks c ∈ {0, 1}
+    assert groups.dim_of([0, 4]) == "dp"  # the replicate group: a sub-group of dp
+    assert groups.dim_of([0, 1]) == "cp"
 
 
 @pytest.mark.parametrize("kw,match", [

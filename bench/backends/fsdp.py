@@ -10,11 +10,17 @@ from our Layout:
 - PP: `torch.distributed.pipelining` stages cut from the GPT (embed on the first stage, norm + head on
   the last); gpipe → ScheduleGPipe, 1f1b → Schedule1F1B, interleaved → ScheduleInterleaved1F1B with
   `virtual_stages` chunks per rank (chunk j of pp rank r is stage r + j·pp).
-- DP: `fully_shard` per block, then on each model chunk (the root), over the dp dim:
+- CP: every chunk's attention core becomes the ring over our cp group (`bench.context_parallel`), and its
+  embedding and rotary take the global positions of the rank's zig-zag share (`sequence_share`), as in the
+  native engine; the batch is already that share (`Trainer.batch`).
+- DP: `fully_shard` per block, then on each model chunk (the root), over dp × cp (torchtitan's
+  `dp_shard_cp`: the mesh's dp and cp dims flattened; just dp at cp = 1). Each cp rank's loss is the mean
+  of its equal share of the tokens, so the reduce-scatter's average over dp·cp ranks is the whole batch's
+  mean gradient:
     full     reshard_after_forward=True: all-gather in forward and again in backward (ZeRO-3)
     grad-op  reshard_after_forward=False: one all-gather per step, params kept until backward (ZeRO-2)
     hybrid   HSDP on a (replicate, shard) split of the dp ranks; shard = the dp ranks of one node,
-             capped so at least 2 replicas remain (`hybrid_shape`)
+             capped so at least 2 replicas remain (`hybrid_shape`), times cp
     none     FSDP2's `replicate` (DDP semantics on FSDP2's machinery): no sharding, one gradient
              all-reduce per block group, the DDP-equivalent baseline inside this backend
   recompute (selective: the attention core; full: every block) and compile (each block) come from
@@ -26,8 +32,8 @@ Nothing is allocated before it is sharded: the GPT is built on meta, cut, parall
 fills its local DTensor shards from `init_value` (`bench.surgery.materialize`).
 
 The DeviceMesh is built from our `Layout`, never from torch's default rank order, so every group torch
-creates from it has exactly the ranks of one of our tp/pp/dp groups (or, for HSDP, a sub-group of a
-dp group), and the communication counter names it correctly.
+creates from it has exactly the ranks of one of our tp/pp/dp/dp_cp groups (or, for HSDP, a sub-group of
+one), and the communication counter names it correctly. The ring uses our own cp group.
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ import os
 import torch
 import torch.nn as nn
 
+from bench.context_parallel import set_positions, use_ring_attention
+from bench.data import sequence_share
 from bench.layout import Layout
 from bench.loss_scale import loss_scaler, optimizer_step
 from bench.metrics.memory import optimizer_tensors
@@ -110,22 +118,30 @@ def dp_ranks_per_node(layout: Layout, rank: int) -> int:
 
 
 def device_mesh(layout: Layout, device: torch.device, hybrid: tuple[int, int] | None = None):
-    """A DeviceMesh over the world, dims ("pp", "dp", "tp"), or ("pp", "dp_rep", "dp_shard", "tp").
+    """A DeviceMesh over the world, dims ("pp", "dp", "cp", "tp"), or ("pp", "dp_rep", "dp_shard", "cp", "tp").
 
-    mesh[p, d, t] = layout.rank(dp=d, pp=p, tp=t), so slicing a dim yields our own groups whatever
-    the rank order. For HSDP the dp index splits as d = rep · shard + s (shard ranks contiguous).
+    mesh[p, d, c, t] = layout.rank(dp=d, pp=p, tp=t, cp=c), so slicing a dim yields our own groups
+    whatever the rank order. For HSDP the dp index splits as d = rep · shard + s (shard ranks contiguous).
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = torch.tensor([[[layout.rank(dp=d, pp=p, tp=t) for t in range(layout.tp)]
-                           for d in range(layout.dp)] for p in range(layout.pp)], dtype=torch.int,
-                         device="cpu")  # the mesh's rank table is host data, whatever the device
-    names = ("pp", "dp", "tp")
+    ranks = torch.tensor([[[[layout.rank(dp=d, pp=p, tp=t, cp=c) for t in range(layout.tp)]
+                            for c in range(layout.cp)] for d in range(layout.dp)] for p in range(layout.pp)],
+                         dtype=torch.int, device="cpu")  # the mesh's rank table is host data, whatever the device
+    names = ("pp", "dp", "cp", "tp")
     if hybrid is not None:
         rep, shard = hybrid
-        ranks = ranks.view(layout.pp, rep, shard, layout.tp)  # (pp, dp, tp) → (pp, rep, shard, tp)
-        names = ("pp", "dp_rep", "dp_shard", "tp")
+        ranks = ranks.view(layout.pp, rep, shard, layout.cp, layout.tp)  # (pp, dp, cp, tp) → (pp, rep, shard, cp, tp)
+        names = ("pp", "dp_rep", "dp_shard", "cp", "tp")
     return DeviceMesh(device.type, ranks, mesh_dim_names=names)
+
+
+def data_mesh(mesh, hybrid: bool):
+    """The mesh FSDP2 shards (or replicates) over: dp × cp flattened (at cp = 1 the dp dim itself), or for
+    HSDP (dp_rep, dp_shard × cp): replicate across nodes, shard within a node and over the cp ring."""
+    shard = ("dp_shard", "cp") if hybrid else ("dp", "cp")
+    inner = mesh[shard]._flatten("_".join(shard)) if mesh["cp"].size() > 1 else mesh[shard[0]]
+    return mesh["dp_rep", inner.mesh_dim_names[0]] if hybrid else inner
 
 
 def reset_dtensor_caches() -> None:
@@ -151,7 +167,7 @@ class FSDPTrainer(Trainer):
         cfg, layout, rank = ctx.cfg, ctx.groups.layout, ctx.groups.rank
         self.hybrid = (hybrid_shape(cfg.dp, dp_ranks_per_node(layout, rank)) if cfg.fsdp == "hybrid" else None)
         self.mesh = device_mesh(layout, ctx.device, self.hybrid)
-        dp_mesh = self.mesh["dp_rep", "dp_shard"] if self.hybrid else self.mesh["dp"]
+        dp_mesh = data_mesh(self.mesh, hybrid=self.hybrid is not None)
         low = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.dtype)
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
         # fp16-mixed: the ranks hold different shards (or layers), so they vote on skipping a step
@@ -161,6 +177,9 @@ class FSDPTrainer(Trainer):
         for chunk in self.chunks:
             if cfg.tp > 1:
                 apply_tp(chunk, self.mesh["tp"], cfg.model_config)
+            if cfg.cp > 1:  # the rank's share of each sequence, at its global positions; attention over the ring
+                use_ring_attention(chunk, ctx.groups.cp)
+                set_positions(chunk, sequence_share(cfg, ctx.groups.coord.cp, ctx.device))
             transform_blocks(chunk, cfg)  # recompute, compile
             apply_dp(chunk, cfg.fsdp, dp_mesh, mp)
             materialize(chunk, cfg.model_config, cfg.seed, ctx.device)
@@ -244,9 +263,12 @@ class FSDPTrainer(Trainer):
 
     def extras(self) -> dict:
         cfg = self.ctx.cfg
-        rep, shard = self.hybrid or ((cfg.dp, 1) if cfg.fsdp == "none" else (1, cfg.dp))
+        ranks = cfg.dp * cfg.cp  # what FSDP shards (or replicates) over
+        rep, shard = ((self.hybrid[0], ranks // self.hybrid[0]) if self.hybrid
+                      else (ranks, 1) if cfg.fsdp == "none" else (1, ranks))
         return {"fsdp_replicate": rep, "fsdp_shard": shard, "dp_impl": f"FSDP2 {cfg.fsdp}",
                 "tp_impl": "DTensor parallelize_module" if cfg.tp > 1 else None,
+                "cp_impl": "ring (bench.context_parallel)" if cfg.cp > 1 else None,
                 "pp_impl": f"torch.distributed.pipelining {cfg.schedule}" if cfg.pp > 1 else None,
                 **({"skipped_steps": self.scaler.skipped} if self.scaler else {})}
 

@@ -286,6 +286,8 @@ DECLARED: list[Column | Family] = [
            ranks="mean", always=False),
     Column("tp_impl", "str", "what implements tensor parallelism", Kind.CONFIG, ranks="rank0", always=False),
     Column("pp_impl", "str", "what implements pipeline parallelism", Kind.CONFIG, ranks="rank0", always=False),
+    Column("cp_impl", "str", "what implements context parallelism (its attention over the sequence)", Kind.CONFIG,
+           ranks="rank0", always=False),
     Column("dp_impl", "str", "what implements data parallelism", Kind.CONFIG, ranks="rank0", always=False),
     Column("fsdp_replicate", "float", "fsdp: replicas of each shard (HSDP's outer dimension)", Kind.CONFIG,
            ranks="mean", always=False),

@@ -1,11 +1,12 @@
 """Parity harness: any backend on any layout against the single-process reference.
 
 `reference(cfg)` trains the whole model in this process on the whole global batch.
-`run_layouts(pool, cfgs)` runs, on a warm `RankPool` of the configs' world size, each native config in
-turn: it builds the engine, runs `steps` optimizer steps and returns the global mean loss of every step,
-the step-1 gradient of every parameter reassembled from its tp shards and pipeline stages on rank 0
-(None under ZeRO, whose reduced gradients live in the optimizer's shards), the gradient the optimizer
-applied (below) and the communication of one more step counted as the worker counts it.
+`run_layouts(pool, cfgs)` runs, on a warm `RankPool` of the configs' world size, each config in turn
+(any backend): it builds the engine, runs `steps` optimizer steps and returns the global mean loss of
+every step, the native engine's step-1 gradient of every parameter reassembled from its tp shards and
+pipeline stages on rank 0 (None under ZeRO, whose reduced gradients live in the optimizer's shards, and
+on the other backends), the gradient the optimizer applied (below) and the communication of one more
+step counted as the worker counts it.
 `applied_gradients(pool, cfgs)` does, for any backend, what every layout can expose: one step of plain
 SGD (the test-only fault `sgd:LR`, bench.worker.optimizer_faults) from the reference weights, after
 which (θ₀ − θ₁)/LR is exactly the gradient the optimizer received — after tp, pp and dp reduction and
@@ -135,9 +136,9 @@ def _ds_grads_at_step(cfg, trainer, groups) -> dict | None:
     return grads and {k: v.numpy() for k, v in grads.items()}
 
 
-# --- the native engine: losses, gradients and communication ------------------------------------------
+# --- any backend: losses, gradients and communication ----------------------------------------------
 def run_layouts(pool, cfgs: list, steps: int = 3, timeout_s: float = 600) -> list[dict]:
-    """Run every native config (all of the pool's world size) on `pool`, one call for all of them."""
+    """Run every config (all of the pool's world size) on `pool`, one call for all of them."""
     results = pool.call(_layouts_on_rank, [c.to_dict() for c in cfgs], steps, timeout_s=timeout_s)[0]
     for cfg, result in zip(cfgs, results):  # numpy on the way (see bench.spawn), tensors again here
         for key in ("grads", "applied"):
@@ -166,7 +167,7 @@ def _train_and_count(cfg, trainer, groups, steps: int) -> dict | None:
     for step in range(steps):
         loss = trainer.train(trainer.batch(step))
         losses.append(_global_loss(None if loss is None else loss.item()))
-        if step == 0 and not cfg.zero:  # under ZeRO the reduced gradients are the optimizer's shards
+        if step == 0 and cfg.backend == "native" and not cfg.zero:  # under ZeRO they are the optimizer's shards
             grads = trainer.named_full_gradients()
     with CommCounter(dim_of=groups.dim_of) as counter:  # as the worker counts: one extra step
         trainer.train(trainer.batch(steps))
