@@ -12,7 +12,7 @@ import pytest
 
 from bench.analysis.estimate import default_mixed_state, estimate
 from bench.config import RunConfig
-from bench.layout import Layout
+from bench.layout import DIMS, Layout
 
 BASE = dict(model="tiny", steps=1, warmup=1, micro_batch=2)
 
@@ -43,6 +43,17 @@ FAST = [
     dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=1, dtype="bf16-mixed"),
     dict(backend="deepspeed", tp=2, pp=1, dp=2, micro_batches=2, zero=0, dtype="bf16-mixed"),
 ]
+# context parallel: the ring's K/V sends, tp/pp on seq/cp tokens, the gradient over dp × cp
+CONTEXT = [
+    dict(backend="native", cp=2, dp=2, micro_batches=2, zero=1),
+    dict(backend="native", cp=2, tp=2, micro_batches=1, sequence_parallel=True, recompute="selective",
+         dtype="bf16-mixed"),
+    dict(backend="native", cp=2, pp=2, micro_batches=2, recompute="full"),
+    dict(backend="native", cp=4, micro_batches=1, model_overrides=("kv_heads=2",)),
+    dict(backend="fsdp", cp=2, dp=2, micro_batches=2, fsdp="full"),
+    dict(backend="fsdp", cp=2, tp=2, micro_batches=1, fsdp="full", dtype="bf16-mixed"),
+    dict(backend="fsdp", cp=2, micro_batches=2, fsdp="grad-op"),
+]
 SLOW = [
     dict(backend="native", tp=1, pp=2, dp=2, micro_batches=4, schedule="gpipe", dtype="bf16-mixed"),
     dict(backend="native", tp=1, pp=2, dp=2, micro_batches=4, schedule="interleaved", virtual_stages=2, zero=1),
@@ -72,13 +83,13 @@ def _mismatches(row: dict, cfg: RunConfig) -> list[str]:
     if row["status"] != "ok":
         return [f"status {row['status']}: {row['error']}"]
     out = []
-    for dim in ("tp", "pp", "dp"):
+    for dim in DIMS:
         for what in ("bytes", "wire_bytes", "ops"):
             pred, meas = row[f"pred_comm_{what}_{dim}"], row[f"comm_{what}_{dim}"]
             if pred != pytest.approx(meas, abs=1e-6):
                 out.append(f"comm_{what}_{dim}: predicted {pred} measured {meas}")
     est = estimate(cfg, mixed_state=default_mixed_state(cfg), activations="suite")
-    kinds = {k for k in (*row, *est) if k.startswith(("comm_tp_", "comm_pp_", "comm_dp_"))}
+    kinds = {k for k in (*row, *est) if k.startswith(tuple(f"comm_{dim}_" for dim in DIMS))}
     for key in sorted(kinds):
         if est.get(key, 0) != pytest.approx(row.get(key, 0), abs=1e-6):
             out.append(f"{key}: predicted {est.get(key, 0)} measured {row.get(key, 0)}")
@@ -100,6 +111,10 @@ def _check_all(pools, options_list) -> None:
 
 def test_predicted_comm_and_state_equal_measured(pools):
     _check_all(pools, FAST)
+
+
+def test_predicted_context_parallel_comm_and_state_equal_measured(pools):
+    _check_all(pools, CONTEXT)
 
 
 @pytest.mark.slow
