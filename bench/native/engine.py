@@ -93,7 +93,8 @@ class NativeTrainer(Trainer):
         return {"bubble_fraction": self.par.pipeline.meter.fraction,
                 "stage_layers": stage_layers_json(self.par.parts),
                 "dp_buckets": len(self.par.data.all_buckets),
-                "tp_impl": "native", "cp_impl": "ring (bench.context_parallel)" if self.ctx.cfg.cp > 1 else None, **({"skipped_steps": self.scaler.skipped} if self.scaler else {})}
+                "tp_impl": "native", "cp_impl": "ring (bench.context_parallel)" if self.ctx.cfg.cp > 1 else None,
+                **({"skipped_steps": self.scaler.skipped} if self.scaler else {})}
 
 
 def build(ctx: RunContext) -> Trainer:
