@@ -4,6 +4,9 @@ composes with (issue 24's parity grid), and the planted bugs that would break it
 Each config trains `tiny` (learned positions) or `tiny-llama` (rope, GQA) from the reference weights
 on the reference batch; its loss after 3 AdamW steps and its step-1 gradient, reduced over dp × cp and
 reassembled whole, must equal the single-process run's within 1e-5 relative (fp32; the issue's number).
+DeepSpeed (Ulysses) shows both the gradient it reduced (`safe_get_full_grad`) and the one its optimizer
+applied (one SGD step); the planted bug `grad_scale:2` (summing over the cp ranks instead of taking
+each rank's share of the mean) must fail the applied check.
 """
 import math
 
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from bench.config import RunConfig
-from support.parity import reference, run_layouts
+from support.parity import applied_gradients, deepspeed_runs, reference, run_layouts
 
 RTOL, ATOL = 1e-5, 1e-7
 RUN = dict(steps=1, warmup=0)
@@ -30,6 +33,19 @@ NATIVE = {  # world → name → fields
     8: {"cp2_tp2_pp2_full": dict(cp=2, tp=2, pp=2, micro_batch=1, micro_batches=2, recompute="full"),
         "cp2_pp2_dp2_zero1": dict(cp=2, pp=2, dp=2, micro_batch=1, micro_batches=2, zero=1)},
 }
+
+
+DEEPSPEED = {  # world → name → fields (backend deepspeed: cp_comm ulysses, its one algorithm)
+    2: {"cp2_zero0": dict(cp=2, micro_batch=2, zero=0),
+        "cp2_zero1": dict(cp=2, micro_batch=2, zero=1),
+        "cp2_zero2": dict(cp=2, micro_batch=1, micro_batches=2, zero=2),
+        "cp2_zero3": dict(cp=2, micro_batch=2, zero=3),
+        "cp2_llama_selective": dict(model="tiny-llama", cp=2, micro_batch=2, zero=1, recompute="selective")},
+    4: {"cp2_dp2_zero3": dict(cp=2, dp=2, micro_batch=1, micro_batches=2, zero=3),
+        "cp2_tp2_zero1": dict(cp=2, tp=2, micro_batch=2, zero=1)},
+}
+PLANT = "grad_scale:2"
+PLANTED = {2: ("cp2_zero1",), 4: ("cp2_dp2_zero3",)}
 
 
 def config(fields: dict, **extra) -> RunConfig:
@@ -55,10 +71,12 @@ def mismatches(cfg: RunConfig, got: dict) -> list[str]:
     if not math.isclose(got["losses"][-1], ref["losses"][-1], rel_tol=RTOL):
         out.append(f"loss {got['losses']} vs {ref['losses']}")
     grads = got["grads"] if got["grads"] is not None else got["applied"]  # ZeRO-1: the applied SGD step
-    for name, g in ref["grads"].items():
-        if not torch.allclose(grads[name], g, rtol=RTOL, atol=ATOL):
-            out.append(f"grad {name}: max |Δ| {(grads[name] - g).abs().max():.2e}")
-    return out
+    return out + grad_mismatches(ref["grads"], grads)
+
+
+def grad_mismatches(ref: dict, grads: dict) -> list[str]:
+    return [f"grad {name}: max |Δ| {(grads[name] - g).abs().max():.2e}"
+            for name, g in ref.items() if not torch.allclose(grads[name], g, rtol=RTOL, atol=ATOL)]
 
 
 @pytest.mark.parametrize("world,name", [pytest.param(w, n, marks=[pytest.mark.slow] if w == 8 else [])
@@ -66,3 +84,35 @@ def mismatches(cfg: RunConfig, got: dict) -> list[str]:
 def test_native_cp_equals_the_single_process_model(native_runs, world, name):
     failures = mismatches(config(NATIVE[world][name]), native_runs(world)[name])
     assert not failures, f"{name}: " + "\n".join(failures)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_results(pools):
+    """world → {name: losses, DeepSpeed's reduced gradients, the applied ones} and {name: planted applied}."""
+    cache = {}
+
+    def get(world: int) -> tuple[dict, dict]:
+        if world not in cache:
+            names = list(DEEPSPEED[world])
+            cfgs = [config(DEEPSPEED[world][n], backend="deepspeed") for n in names]
+            runs = deepspeed_runs(pools(world), cfgs, timeout_s=900)
+            planted = [config(DEEPSPEED[world][n], backend="deepspeed", fault=PLANT) for n in PLANTED[world]]
+            applied = applied_gradients(pools(world), cfgs + planted, timeout_s=900)
+            results = {n: {**run, "applied": a} for n, run, a in zip(names, runs, applied)}
+            cache[world] = results, dict(zip(PLANTED[world], applied[len(names):]))
+        return cache[world]
+    return get
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w in DEEPSPEED for n in DEEPSPEED[w]])
+def test_deepspeed_ulysses_equals_the_single_process_model(deepspeed_results, world, name):
+    cfg, got = config(DEEPSPEED[world][name], backend="deepspeed"), deepspeed_results(world)[0][name]
+    failures = mismatches(cfg, got) + [f"applied {m}" for m in grad_mismatches(reference(cfg)["grads"], got["applied"])]
+    assert not failures, f"{name}: " + "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", list(PLANTED))
+def test_deepspeed_planted_cp_sum_fails(deepspeed_results, world):
+    for name, applied in deepspeed_results(world)[1].items():
+        ref = reference(config(DEEPSPEED[world][name], backend="deepspeed"))["grads"]
+        assert len(grad_mismatches(ref, applied)) > len(ref) // 2, name  # every gradient 2× (those ~0 aside)

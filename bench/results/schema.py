@@ -281,6 +281,7 @@ DECLARED: list[Column | Family] = [
     Column("dp_buckets", "float", "native: gradient buckets of the data-parallel all-reduce", Kind.CONFIG,
            ranks="mean", always=False),
     Column("tp_impl", "str", "what implements tensor parallelism", Kind.CONFIG, ranks="rank0", always=False),
+    Column("cp_impl", "str", "what implements context parallelism", Kind.CONFIG, ranks="rank0", always=False),
     Column("pp_impl", "str", "what implements pipeline parallelism", Kind.CONFIG, ranks="rank0", always=False),
     Column("dp_impl", "str", "what implements data parallelism", Kind.CONFIG, ranks="rank0", always=False),
     Column("fsdp_replicate", "float", "fsdp: replicas of each shard (HSDP's outer dimension)", Kind.CONFIG,
