@@ -251,8 +251,8 @@ def _parallelism(caps: Capabilities, cfg) -> str | None:
         return f"backend {name} has no context parallel: needs cp = 1, got cp={cfg.cp} (backends {_who('cp_comms')} have one)"
     if cfg.cp > 1 and cfg.cp_comm not in caps.cp_comms:
         others = [b for b, c in CAPABILITIES.items() if cfg.cp_comm in c.cp_comms]
-        return (f"backend {name} runs cp_comm {' and '.join(caps.cp_comms)}, not {cfg.cp_comm}"
-                + (f" (backend {' and '.join(others)} does)" if others else ""))
+        who = f"backend {others[0]} does" if len(others) == 1 else f"backends {' and '.join(others)} do"
+        return f"backend {name} runs cp_comm {' and '.join(caps.cp_comms)}, not {cfg.cp_comm}" + (f" ({who})" if others else "")
     if cfg.cp > 1 and cfg.pp > 1 and not caps.cp_with_pp:
         able = " or ".join(b for b, c in CAPABILITIES.items() if c.cp_comms and c.cp_with_pp)
         return (f"backend {name}: cp ({cfg.cp}) with pp ({cfg.pp}) is not supported ({caps.pipeline_engine} "

@@ -33,7 +33,7 @@ from pydantic.dataclasses import dataclass
 
 from bench.capabilities import CAPABILITIES, unsupported_reason
 from bench.choices import BACKENDS, CP_COMMS, DEVICES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES
-from bench.layout import ORDERS, Layout
+from bench.layout import DIMS, ORDERS, Layout, named_dims, seq_split_reason
 from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
 
@@ -439,10 +439,9 @@ def _world_size_reason(cfg: RunConfig) -> str | None:
     return None
 
 
-def layout_product(cfg) -> str:
-    """'tp (2) × pp (2) × dp (2)', with cp named only when it is used."""
-    dims = ("tp", "cp", "pp", "dp") if cfg.cp > 1 else ("tp", "pp", "dp")
-    return " × ".join(f"{d} ({getattr(cfg, d)})" for d in dims)
+def layout_product(cfg, dims=DIMS) -> str:
+    """'tp (2) × pp (2) × dp (2)' of those `dims` a config (or a Layout) has, cp named only when it is used."""
+    return " × ".join(f"{d} ({getattr(cfg, d)})" for d in named_dims(cfg.cp) if d in dims)
 
 
 # Test-only faults: name → whether it takes a number (`sleep:400`). See bench.worker for what each does.
@@ -511,9 +510,9 @@ def _model_fit_reason(cfg) -> str | None:
 def _context_reason(cfg) -> str | None:
     if cfg.cp == 1:
         return None
-    if cfg.seq % (2 * cfg.cp):
-        return (f"cp ({cfg.cp}) needs seq ({cfg.seq}) divisible by 2 × cp = {2 * cfg.cp} "
-                "(each rank holds two equal chunks, zig-zag); pick seq or cp to fit")
+    split = seq_split_reason(cfg.seq, cfg.cp)
+    if split:
+        return split
     if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
         return (f"sequence_parallel with cp ({cfg.cp}) needs seq / cp ({cfg.seq // cfg.cp}) divisible by "
                 f"tp ({cfg.tp})")
@@ -522,8 +521,12 @@ def _context_reason(cfg) -> str | None:
         for what, heads in (("heads", m.heads), ("kv_heads", m.num_kv_heads)):
             if heads % (cfg.tp * cfg.cp):
                 return (f"cp_comm ulysses needs model {what} ({heads}) divisible by tp × cp = {cfg.tp * cfg.cp}; "
-                        "pick a smaller cp or cp_comm ring")
+                        f"pick tp × cp dividing it, or cp_comm ring (backend {' or '.join(_ring_backends())})")
     return None
+
+
+def _ring_backends() -> list[str]:
+    return [name for name, caps in CAPABILITIES.items() if "ring" in caps.cp_comms]
 
 
 def _pipeline_reason(cfg) -> str | None:

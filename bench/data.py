@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from bench.layout import zigzag_tokens
+
 
 def global_batch(seed: int, step: int, batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each (batch, seq) int64; targets are inputs shifted by one token."""
@@ -44,24 +46,11 @@ def sequence_share(cfg, cp_rank: int, device: torch.device | str = "cpu") -> tor
     return zigzag_positions(cp_rank, cfg.cp, cfg.seq, device)
 
 
-def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
-    """The two of 2·cp sequence chunks that cp rank `rank` holds."""
-    return rank, 2 * cp - 1 - rank
-
-
-def check_divisible(seq_len: int, cp: int) -> None:
-    if seq_len % (2 * cp):
-        raise ValueError(f"seq_len ({seq_len}) does not split into 2·cp = {2 * cp} equal chunks for cp = {cp}: "
-                         f"choose a seq_len that is a multiple of {2 * cp}, or a cp with 2·cp dividing it")
-
-
 def zigzag_positions(rank: int, cp: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Global token ids (LongTensor, seq/cp) held by cp rank `rank` of a sequence of `seq` tokens: chunks r
     and 2·cp − 1 − r of 2·cp, so that under a causal mask every rank has the same attention work (an early
     chunk with few keys, a late one with many): Megatron's and torchtitan's load-balanced sharding."""
-    check_divisible(seq, cp)
-    chunk = seq // (2 * cp)
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in zigzag_chunks(rank, cp)])
+    return torch.cat([torch.arange(r.start, r.stop, device=device) for r in zigzag_tokens(rank, cp, seq)])
 
 
 def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bench import device as bench_device
+from bench.config import layout_product
 from bench.layout import DIMS, Layout
 
 
@@ -137,8 +138,7 @@ class ProcessGroups:
     def build(cls, layout: Layout) -> "ProcessGroups":
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != layout.world_size:
-            dims = " × ".join(f"{d} ({getattr(layout, d)})" for d in DIMS if d != "cp" or layout.cp > 1)
-            raise RuntimeError(f"{dims} = {layout.world_size}, but {world} processes were started")
+            raise RuntimeError(f"{layout_product(layout)} = {layout.world_size}, but {world} processes were started")
         mine, ranks = {}, {}
         wanted = {dim: (dim,) for dim in DIMS} | ({"dp_cp": ("dp", "cp")} if layout.cp > 1 else {})
         for name, dims in wanted.items():  # every rank creates every group, in the same order (collective)

@@ -18,10 +18,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from math import lcm
 from typing import NamedTuple
 
 ORDERS = ("tp-pp-dp", "tp-dp-pp", "tp-cp-pp-dp", "tp-cp-dp-pp")
 DIMS = ("tp", "cp", "pp", "dp")
+
+
+def named_dims(cp: int) -> tuple[str, ...]:
+    """The dimensions a label or a table names: cp only where it is used, so everything of cp = 1 reads
+    as it did before cp existed."""
+    return DIMS if cp > 1 else ("tp", "pp", "dp")
+
+
+def zigzag_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
+    """The two of the sequence's 2·cp equal chunks that rank `cp_rank` of a cp group holds: r and
+    2·cp − 1 − r, so that every rank does the same causal attention work (Megatron's, Llama 3's)."""
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"cp rank {cp_rank} outside a cp group of {cp}")
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def seq_split_reason(seq: int, cp: int) -> str | None:
+    """Why `seq` tokens do not split into the 2·cp equal zig-zag chunks, or None."""
+    if seq % (2 * cp) == 0:
+        return None
+    return (f"cp ({cp}) needs seq ({seq}) divisible by 2 × cp = {2 * cp} "
+            "(each rank holds two equal chunks, zig-zag); pick seq or cp to fit")
+
+
+def zigzag_tokens(cp_rank: int, cp: int, seq: int) -> tuple[range, range]:
+    """The token positions of those two chunks in a sequence of `seq` tokens (seq divisible by 2·cp)."""
+    if seq_split_reason(seq, cp):
+        raise ValueError(seq_split_reason(seq, cp))
+    size = seq // (2 * cp)
+    first, second = zigzag_chunks(cp_rank, cp)
+    return range(first * size, (first + 1) * size), range(second * size, (second + 1) * size)
 
 
 class Coord(NamedTuple):
@@ -91,8 +123,9 @@ class Layout:
         return sorted(buckets.values())
 
     def group_of(self, rank: int, dim: str) -> list[int]:
-        c = self.coords(rank)._asdict()
-        return [self.rank(**{**c, dim: i}) for i in range(getattr(self, dim))]
+        stride = self._stride(dim)
+        first = rank - getattr(self.coords(rank), dim) * stride
+        return [first + i * stride for i in range(getattr(self, dim))]
 
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -105,3 +138,22 @@ class Layout:
 
     def crossing_groups(self, dim: str) -> list[list[int]]:
         return [g for g in self.groups(dim) if self.crosses_node(g)]
+
+    def any_group_crosses_node(self, dim: str) -> bool:
+        """Whether some `dim` group spans nodes, without listing the groups (the planner asks for layouts
+        of 16,384 ranks): group starts and nodes repeat every lcm(stride · size, gpus_per_node) ranks, so
+        only that span is checked."""
+        size = getattr(self, dim)
+        if size == 1:
+            return False
+        stride = self._stride(dim)
+        period = min(self.world_size, lcm(stride * size, self.gpus_per_node))
+        return any((base // stride) % size == 0 and self.node(base) != self.node(base + (size - 1) * stride)
+                   for base in range(period))
+
+    def _stride(self, dim: str) -> int:
+        """Rank distance between neighbours of a `dim` group: the sizes of the faster dimensions."""
+        stride = 1
+        for d in self._dims[:self._dims.index(dim)]:
+            stride *= getattr(self, d)
+        return stride

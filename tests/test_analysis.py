@@ -100,12 +100,35 @@ def test_done_when_layout_64_gpus():
     assert info["warnings"] == []
     assert info["replicas"][0]["stages"][0]["tp_ranks"] == [0, 1, 2, 3]
     assert info["replicas"][1]["stages"][0]["tp_ranks"] == [16, 17, 18, 19]
-    assert info["ranks"][17] == {"rank": 17, "node": 2, "dp": 1, "pp": 0, "tp": 1}
+    assert info["ranks"][17] == {"rank": 17, "node": 2, "dp": 1, "pp": 0, "tp": 1, "cp": 0}
     assert info["groups"]["dp"][0] == [0, 16, 32, 48]
     assert {l["link"] for l in info["links"] if l["dim"] == "tp"} == {"nvlink"}
     assert {l["link"] for l in info["links"] if l["dim"] == "dp"} == {"network"}
     text = runner.invoke(app, ["layout", "--tp", "4", "--pp", "4", "--dp", "4"]).output
     assert "stage 0: tp GPUs 0-3 on node 0" in text and "stage 0: tp GPUs 16-19 on node 2" in text
+
+
+def test_layout_with_cp_shows_the_chunks_the_rings_and_their_links():
+    runner = CliRunner()
+    argv = ["layout", "--tp", "2", "--cp", "4", "--dp", "2", "--seq", "1024", "--gpus-per-node", "4"]
+    out = runner.invoke(app, [*argv, "--json"])
+    assert out.exit_code == 0, out.output
+    info = json.loads(out.output)
+    assert info["sequence"]["holds"][1] == {"cp": 1, "chunks": [1, 6], "tokens": [[128, 256], [768, 896]]}
+    assert info["replicas"][0]["stages"][2] == {"pp": 0, "cp": 2, "tp_ranks": [4, 5], "nodes": [1], "chunks": [2, 5],
+                                               "tokens": [[256, 384], [640, 768]]}
+    assert info["groups"]["cp"][0] == [0, 2, 4, 6]
+    assert {l["link"] for l in info["links"] if l["dim"] == "cp"} == {"network"}
+    assert any(w.startswith("4 of 4 cp rings leave a node (e.g. GPUs 0,2,4,6 on nodes 0-1)") and "tp × cp (8)" in w
+               for w in info["warnings"])
+    text = runner.invoke(app, argv).output
+    assert "tp=2 × cp=4 × pp=1 × dp=2 = 16 GPUs" in text
+    assert "stage 0, cp rank 1: tp GPUs 2-3 on node 0, chunks 1 and 6 (tokens 128-255, 768-895)" in text
+    assert "cp groups (4 of 4 GPUs, each a ring):" in text and "warning: 4 of 4 cp rings leave a node" in text
+    inside = explain(Layout(tp=2, cp=4, dp=2, gpus_per_node=8), seq=1024)
+    assert {l["link"] for l in inside["links"] if l["dim"] == "cp"} == {"nvlink"} and inside["warnings"] == []
+    plain = runner.invoke(app, ["layout", "--tp", "2", "--pp", "2", "--dp", "2"]).output
+    assert "cp" not in plain  # cp = 1 reads as before
 
 
 def test_layout_warnings():
@@ -136,11 +159,13 @@ def test_layout_with_model_bytes():
 
 
 def test_crosses_nodes_matches_layout():
-    for tp, pp, dp, order, g in [(4, 4, 4, "tp-pp-dp", 8), (16, 2, 2, "tp-pp-dp", 8), (2, 3, 5, "tp-dp-pp", 4),
-                                 (8, 16, 8, "tp-dp-pp", 8), (3, 2, 4, "tp-pp-dp", 4)]:
-        lay = Layout(tp, pp, dp, order, g)
-        for dim in ("tp", "pp", "dp"):
-            assert crosses_nodes(tp, pp, dp, order, g, dim) == bool(lay.crossing_groups(dim)), (tp, pp, dp, dim)
+    for tp, cp, pp, dp, order, g in [(4, 1, 4, 4, "tp-pp-dp", 8), (16, 1, 2, 2, "tp-pp-dp", 8),
+                                     (2, 1, 3, 5, "tp-dp-pp", 4), (8, 1, 16, 8, "tp-dp-pp", 8), (3, 1, 2, 4, "tp-pp-dp", 4),
+                                     (2, 4, 2, 2, "tp-pp-dp", 8), (2, 2, 3, 2, "tp-cp-dp-pp", 4), (1, 3, 2, 2, "tp-pp-dp", 2),
+                                     (4, 4, 1, 2, "tp-dp-pp", 8)]:
+        lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=order, gpus_per_node=g)
+        for dim in ("tp", "cp", "pp", "dp"):
+            assert crosses_nodes(tp, pp, dp, order, g, dim, cp) == bool(lay.crossing_groups(dim)), (tp, cp, pp, dp, dim)
     assert ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
 
 

@@ -52,7 +52,7 @@ for name in NUMBER_FIELDS:  # sweep: the same fields as sweep-file keys (written
         if not _valid(name, text):
             case(f"sweep-base.{name}={text}", ["sweep", f"{{d}}/base-{name}-{text}.yaml", "--dry-run"],
                  f"base-{name}-{text}.yaml", f"base.{name}")
-for flag in ("--tp", "--pp", "--dp", "--gpus-per-node", "--rack-size"):
+for flag in ("--tp", "--cp", "--pp", "--dp", "--gpus-per-node", "--rack-size"):
     for text in BAD_VALUES:
         case(f"layout{flag}={text}", ["layout", flag, text], flag)
 # a combination a command cannot honour: an option it would ignore, or one it does not take
@@ -98,6 +98,20 @@ case("run-override-no-equals", ["run", "--model-overrides", "layers"], "layers")
 case("run-world-beyond-machine", ["run", "--dp", "100000"], "world size 100000")
 case("run-world-size-mismatch", ["run", "--dp", "2", "--world-size", "3"], "world_size")
 case("run-unknown-model", ["run", "--model", "gpt9"], "gpt9")
+# context parallel: each rule names the field and the fix
+case("run-cp-seq-not-in-2cp-chunks", ["run", "--cp", "3"], "cp (3)", "seq (32)", "2 × cp = 6")
+case("run-cp-ulysses-heads", ["run", "--backend", "deepspeed", "--tp", "2", "--cp", "4"], "cp_comm ulysses",
+     "heads (4)", "tp × cp = 8")
+case("run-cp-on-ddp", ["run", "--backend", "ddp", "--cp", "2"], "backend ddp has no context parallel", "cp = 1")
+case("run-cp-comm-backend-lacks", ["run", "--cp", "2", "--cp-comm", "ulysses"], "cp_comm", "backend deepspeed does")
+case("run-cp-comm-unknown", ["run", "--cp", "2", "--cp-comm", "rings"], "--cp-comm", "rings")
+case("run-world-size-with-cp", ["run", "--cp", "2", "--dp", "2", "--world-size", "2"],
+     "tp (1) × cp (2) × pp (1) × dp (2) = 4", "world_size is 2")
+case("estimate-cp-on-ddp", ["estimate", "--model", "tiny", "--backend", "ddp", "--cp", "2"], "no context parallel")
+case("layout-cp-seq-not-in-2cp-chunks", ["layout", "--cp", "2", "--seq", "6"], "--seq", "seq (6)", "2 × cp = 4")
+case("layout-seq-without-cp", ["layout", "--seq", "8"], "--seq", "--cp")
+case("layout-world-size-with-cp", ["layout", "--cp", "2", "--dp", "2", "--world-size", "2"],
+     "tp (1) × cp (2) × pp (1) × dp (2) = 4", "--world-size")
 case("run-debug-launcher-world-2", ["run", "--launcher", "debug", "--dp", "2"], "world size 1 only, not 2")
 
 # sweep files: hand-written (tests/bad_inputs/sweeps)

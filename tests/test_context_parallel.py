@@ -266,7 +266,7 @@ def test_a_sequence_that_does_not_split_into_2cp_chunks_is_refused_in_one_line()
     with pytest.raises(ValueError) as refused:
         shard_sequence(torch.zeros(1, 30), 0, 4)
     message = str(refused.value)
-    assert "\n" not in message and "seq_len (30)" in message and "cp = 4" in message and "multiple of 8" in message
+    assert "\n" not in message and "seq (30)" in message and "cp (4)" in message and "2 × cp = 8" in message
 
 
 def test_positions_left_unset_or_set_to_0_to_T_change_nothing():

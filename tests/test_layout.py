@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from bench.layout import Coord, Layout
+from bench.layout import DIMS, ORDERS, Coord, Layout, named_dims, zigzag_chunks, zigzag_tokens
 
 
 def test_64_gpu_example_default_order():
@@ -97,3 +97,29 @@ def test_partition_invariants_with_cp(order):
     for r in range(48):
         assert lay.rank(**lay.coords(r)._asdict()) == r
         assert r in lay.group_of(r, "cp") and len(lay.group_of(r, "cp")) == 4
+        for dim in DIMS:
+            assert lay.group_of(r, dim) in lay.groups(dim)
+
+
+def test_zigzag_chunks_balance_the_causal_work():
+    for cp in (1, 2, 3, 4, 8):
+        held = [zigzag_chunks(r, cp) for r in range(cp)]
+        assert sorted(c for pair in held for c in pair) == list(range(2 * cp))  # every chunk once
+        assert {a + b for a, b in held} == {2 * cp - 1}  # a causal chunk's work grows with its index
+    assert zigzag_chunks(1, 4) == (1, 6)
+    assert zigzag_tokens(1, 4, 1024) == (range(128, 256), range(768, 896))
+    with pytest.raises(ValueError, match="2 × cp = 6"):
+        zigzag_tokens(0, 3, 1000)
+
+
+def test_any_group_crosses_node_agrees_with_the_groups():
+    """The planner's periodic shortcut against the listed groups, every dim, small layouts exhaustively."""
+    for tp, cp, pp, dp, g in itertools.product((1, 2, 3), (1, 2, 3), (1, 2), (1, 2, 4), (2, 3, 4)):
+        for order in ORDERS:
+            lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=order, gpus_per_node=g)
+            for dim in DIMS:
+                assert lay.any_group_crosses_node(dim) == bool(lay.crossing_groups(dim)), (lay, dim)
+
+
+def test_named_dims_name_cp_only_when_used():
+    assert named_dims(1) == ("tp", "pp", "dp") and named_dims(2) == DIMS

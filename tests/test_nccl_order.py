@@ -151,7 +151,7 @@ def _config(name: str, p: int, v: int, m: int) -> RunConfig:
 
 def _groups(p: int, r: int) -> ProcessGroups:
     """Rank r's ProcessGroups of a pp-only layout, its groups stand-ins (nothing here communicates)."""
-    return ProcessGroups(layout=Layout(1, p, 1), rank=r, tp=None, pp="pp", dp=None,
+    return ProcessGroups(layout=Layout(1, p, 1), rank=r, tp=None, cp=None, pp="pp", dp=None, dp_cp=None,
                          ranks={"tp": [r], "pp": list(range(p)), "dp": [r]})
 
 
@@ -239,7 +239,7 @@ def test_every_rank_creates_every_channel_in_one_order():
     layout = Layout(1, 2, 2)
     for rank in range(layout.world_size):
         calls = []
-        groups = ProcessGroups(layout=layout, rank=rank, tp=None, pp="pp", dp=None,
+        groups = ProcessGroups(layout=layout, rank=rank, tp=None, cp=None, pp="pp", dp=None, dp_cp=None,
                                ranks={"pp": layout.group_of(rank, "pp")})
         with mock.patch.object(dist, "new_group", lambda ranks: calls.append(tuple(ranks)) or tuple(ranks)):
             comm = PipeComm.build(groups, virtual_stages=2)

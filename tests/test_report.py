@@ -153,3 +153,26 @@ def test_report_bad_input_is_one_clear_line(case, tmp_path, capsys, monkeypatch)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("error:") and str(target) in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_labels_and_figures_name_cp_only_where_it_is_used():
+    from bench.config import RunConfig
+    from bench.report.figures import comm_breakdown, throughput_heatmap
+    from bench.report.labels import config_label
+    plain = RunConfig(tp=2, dp=2).to_row()
+    before_cp = {k: v for k, v in plain.items() if k not in ("cp", "cp_comm")}  # a row from before cp
+    assert config_label(plain) == config_label(before_cp) == "native tp2·pp1·dp2"
+    assert config_label(RunConfig(cp=2, dp=2).to_row()) == "native tp1·cp2·pp1·dp2 ring"
+    assert config_label(RunConfig(backend="deepspeed", cp=2).to_row()) == "deepspeed z0 tp1·cp2·pp1·dp1 ulysses"
+
+    def measured(cfg, tokens):
+        return {**cfg.to_row(), "status": "ok", "run_id": cfg.run_id, "config_id": cfg.config_id, "world_size": 4,
+                "tokens_per_s": tokens, "comm_bytes_tp": 0.0, "comm_bytes_cp": 3e6 * (cfg.cp > 1),
+                "comm_bytes_pp": 0.0, "comm_bytes_dp": 1e6}
+    runs = pd.DataFrame([measured(RunConfig(dp=4), 1000.0), measured(RunConfig(cp=2, dp=2), 1500.0)])
+    legend = [t.get_text() for t in comm_breakdown(runs).axes[0].get_legend().get_texts()]
+    assert legend[:4] == ["tp group", "cp group", "pp group", "dp group"]
+    legend = [t.get_text() for t in comm_breakdown(runs[runs.cp == 1]).axes[0].get_legend().get_texts()]
+    assert "cp group" not in legend  # a sweep without cp draws what it drew before
+    heatmap = throughput_heatmap(runs)  # one cell (tp 1, pp 1) of world 4: its best layout, the cp one
+    assert [t.get_text() for t in heatmap.axes[0].texts] == ["1.5k\ncp2·dp2"]

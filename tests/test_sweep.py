@@ -448,3 +448,33 @@ launcher: debug
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_cp_is_an_axis_with_dp_auto_and_a_column_where_used():
+    from bench.sweep.runner import dry_run_table, summary_table
+    exp = expand(_spec(world_size=4, grid={"backend": ["native", "deepspeed", "ddp"], "cp": [1, 2],
+                                          "cp_comm": ["ring", "ulysses"], "dp": "auto"}))
+    runs = {(c.backend, c.cp, c.cp_comm, c.dp) for c in exp.runs}
+    assert runs == {("native", 1, None, 4), ("native", 2, "ring", 2), ("deepspeed", 1, None, 4),
+                    ("deepspeed", 2, "ulysses", 2), ("ddp", 1, None, 4)}  # cp 1: cp_comm means nothing (one run)
+    reasons = {(r["backend"], r["cp_comm"]): r["error"] for r in exp.skipped}
+    assert "runs cp_comm ring, not ulysses" in reasons["native", "ulysses"]
+    assert "has no context parallel" in reasons["ddp", "ring"]
+    mixed = expand(_spec(runs=[{"cp": 3}, {"backend": "deepspeed", "tp": 2, "cp": 4}, {"cp": 2}]))
+    assert [c.cp for c in mixed.runs] == [2]  # a misfit is a skipped row with RunConfig's reason
+    assert [r["error"].split(";")[0] for r in mixed.skipped] == [
+        "cp (3) needs seq (32) divisible by 2 × cp = 6 (each rank holds two equal chunks, zig-zag)",
+        "cp_comm ulysses needs model heads (4) divisible by tp × cp = 8"]
+    odd = expand(_spec(world_size=4, grid={"cp": [3], "dp": "auto"}))
+    assert odd.skipped[0]["error"] == "dp: auto: world_size (4) is not divisible by tp (1) × cp (3) × pp (1) = 3"
+
+    def header(table):
+        return [c.header for c in table.columns]
+    plain = expand(_spec(world_size=4, grid={"tp": [1, 2], "dp": "auto"}))
+    assert header(dry_run_table(_spec(grid={"tp": [1]}), plain)[0])[:7] == ["#", "run_id", "backend", "world_size",
+                                                                              "tp", "pp", "dp"]
+    every_cp = expand(_spec(world_size=4, base={"cp": 2}, grid={"tp": [1, 2], "dp": "auto"}))
+    assert header(dry_run_table(_spec(grid={"tp": [1]}), every_cp)[0])[2:8] == ["backend", "world_size", "tp", "cp",
+                                                                                  "pp", "dp"]
+    rows = [{**c.to_row(), "status": "skipped", "error": "x"} for c in every_cp.runs]
+    assert header(summary_table(rows, "t"))[:6] == ["backend", "world_size", "tp", "cp", "pp", "dp"]

@@ -18,7 +18,6 @@ model reads it.
 from __future__ import annotations
 
 from functools import lru_cache
-from math import gcd
 
 from bench.analysis.comm import comm_summary
 from bench.analysis.hardware import Hardware, get_hardware
@@ -26,6 +25,7 @@ from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memo
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import step_terms
 from bench.capabilities import engine
+from bench.layout import Layout
 from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
 
@@ -92,28 +92,14 @@ def hardware_flops_per_step(cfg) -> float:
 
 
 @lru_cache(maxsize=4096)
-def crosses_nodes(tp: int, pp: int, dp: int, order: str, gpus_per_node: int, dim: str) -> bool:
-    """Whether any `dim` group spans nodes (rank = tp + TP·(…) as in bench.layout, fastest first).
-    The pattern repeats every lcm(gpus_per_node, stride·size) ranks, so only that span is checked."""
-    sizes = {"tp": tp, "pp": pp, "dp": dp}
-    dims = order.split("-")
-    stride = 1
-    for d in dims[:dims.index(dim)]:
-        stride *= sizes[d]
-    size, world = sizes[dim], tp * pp * dp
-    if size == 1:
-        return False
-    span = stride * size
-    period = min(world, span * gpus_per_node // gcd(span, gpus_per_node))
-    for base in range(period):
-        if (base // stride) % size == 0 and base // gpus_per_node != (base + (size - 1) * stride) // gpus_per_node:
-            return True
-    return False
+def crosses_nodes(tp: int, pp: int, dp: int, order: str, gpus_per_node: int, dim: str, cp: int = 1) -> bool:
+    """Whether any `dim` group spans nodes (bench.layout's rank maths; cached for the planner's search)."""
+    return Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=order, gpus_per_node=gpus_per_node).any_group_crosses_node(dim)
 
 
 def link(cfg, hw: Hardware, dim: str, gpus_per_node: int) -> tuple[float, float, str]:
     """(bandwidth a ring collective reaches, latency, name) of the links a `dim` group uses."""
-    if crosses_nodes(cfg.tp, cfg.pp, cfg.dp, cfg.order, gpus_per_node, dim):
+    if crosses_nodes(cfg.tp, cfg.pp, cfg.dp, cfg.order, gpus_per_node, dim, cfg.cp):
         return hw.inter_node_bw * hw.inter_node_efficiency, hw.inter_node_latency_s, "network"
     return hw.intra_node_bw * hw.intra_node_efficiency, hw.intra_node_latency_s, "nvlink"
 

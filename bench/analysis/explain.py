@@ -1,10 +1,11 @@
-"""The layout explainer: who computes what, who talks to whom, over which link. Pure maths over
-`bench.layout.Layout` (the same rank maths the engine uses, so they cannot disagree)."""
+"""The layout explainer: who computes what, who holds which part of the sequence, who talks to whom,
+over which link. Pure maths over `bench.layout` (the same rank maths and zig-zag chunks the engines
+use, so they cannot disagree)."""
 from __future__ import annotations
 
 from bench.analysis.comm import stage_traffic
 from bench.analysis.stage_plan import stage_plan
-from bench.layout import DIMS, Layout
+from bench.layout import DIMS, Layout, named_dims, zigzag_chunks, zigzag_tokens
 
 TREE_LIMIT = 64  # print every replica up to this many GPUs; beyond, the first two and the last
 
@@ -35,12 +36,15 @@ def _ops(traffic) -> dict:
 
 
 OP_NAMES = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
-            "send": "send-recv", "broadcast": "broadcast"}
+            "send": "send-recv", "broadcast": "broadcast", "all_to_all": "all-to-all"}
 
 
-def explain(lay: Layout, rack_size: int | None = None, cfg=None, mixed_state: str = "zero") -> dict:
+def explain(lay: Layout, rack_size: int | None = None, cfg=None, mixed_state: str = "zero",
+            seq: int | None = None) -> dict:
     """`ranks`, `groups`, `links` (one per group: link, nodes, with `cfg` the ops and bytes per step
-    per rank), `warnings`, and `replicas` (the tree: replica → stage → tp ranks and node)."""
+    per rank), `warnings`, `replicas` (the tree: replica → stage (→ cp rank) → tp ranks and node) and,
+    with cp > 1, `sequence` (each cp rank's zig-zag chunks; their tokens given `seq` or `cfg`)."""
+    seq = cfg.seq if cfg is not None else seq
     ranks = [{"rank": r, "node": lay.node(r), **lay.coords(r)._asdict()} for r in range(lay.world_size)]
     groups = {dim: lay.groups(dim) for dim in DIMS}
     plan = stage_plan(cfg) if cfg is not None else None
@@ -59,15 +63,28 @@ def explain(lay: Layout, rack_size: int | None = None, cfg=None, mixed_state: st
                                 for k in sorted({k for p in per_stage for k in p})}
                 entry["bytes_per_step"] = sum(entry["ops"].values())
             links.append(entry)
-    return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "order": lay.order, "gpus_per_node": lay.gpus_per_node,
-            "world_size": lay.world_size, "nodes": lay.nodes(), "ranks": ranks, "groups": groups,
-            "links": links, "warnings": warnings(lay, rack_size), "replicas": _tree(lay)}
+    out = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "order": lay.order,
+           "gpus_per_node": lay.gpus_per_node, "world_size": lay.world_size, "nodes": lay.nodes(), "ranks": ranks,
+           "groups": groups, "links": links, "warnings": warnings(lay, rack_size), "replicas": _tree(lay, seq)}
+    if lay.cp > 1:
+        out["sequence"] = {"chunks": 2 * lay.cp, "seq": seq, "holds": [_share(c, lay.cp, seq) for c in range(lay.cp)]}
+    return out
 
 
-def _tree(lay: Layout) -> list[dict]:
-    return [{"dp": d, "stages": [{"pp": p, "tp_ranks": g, "nodes": _nodes(lay, g)}
-                                 for p in range(lay.pp) for g in [lay.group_of(lay.rank(dp=d, pp=p), "tp")]]}
-            for d in range(lay.dp)]
+def _share(cp_rank: int, cp: int, seq: int | None) -> dict:
+    """What cp rank `cp_rank` holds: its two chunks and, with `seq`, their tokens [start, end)."""
+    out = {"cp": cp_rank, "chunks": list(zigzag_chunks(cp_rank, cp))}
+    if seq is not None:
+        out["tokens"] = [[r.start, r.stop] for r in zigzag_tokens(cp_rank, cp, seq)]
+    return out
+
+
+def _tree(lay: Layout, seq: int | None) -> list[dict]:
+    """Replica → stage → tp ranks; with cp > 1 one entry per (stage, cp rank), with its sequence share."""
+    def stage(d: int, p: int, c: int) -> dict:
+        g = lay.group_of(lay.rank(dp=d, pp=p, cp=c), "tp")
+        return {"pp": p, "tp_ranks": g, "nodes": _nodes(lay, g)} | (_share(c, lay.cp, seq) if lay.cp > 1 else {})
+    return [{"dp": d, "stages": [stage(d, p, c) for p in range(lay.pp) for c in range(lay.cp)]} for d in range(lay.dp)]
 
 
 def warnings(lay: Layout, rack_size: int | None = None) -> list[str]:
@@ -83,6 +100,12 @@ def warnings(lay: Layout, rack_size: int | None = None) -> list[str]:
             out.append(f"dp groups stay inside a node (e.g. GPUs {ranges(dp_inside[0])}) while tp crosses nodes: "
                        "the per-layer tp traffic should get the NVLink and the once-per-step dp traffic the "
                        f"network; pick tp dividing gpus_per_node ({lay.gpus_per_node})")
+    cp_cross = lay.crossing_groups("cp")
+    if cp_cross:
+        g = cp_cross[0]
+        out.append(f"{len(cp_cross)} of {len(lay.groups('cp'))} cp rings leave a node (e.g. GPUs {ranges(g)} on "
+                   f"nodes {ranges(_nodes(lay, g))}): their K/V passes, every layer, cross the network; "
+                   f"pick tp × cp ({lay.tp * lay.cp}) dividing gpus_per_node ({lay.gpus_per_node})")
     if rack_size and lay.pp > 1:
         pairs = crossing_pp_pairs(lay, rack_size)
         if pairs:
@@ -107,8 +130,11 @@ def _fmt_bytes(n: float) -> str:
 
 def format_text(info: dict) -> str:
     """The human-readable explanation: the tree, then every group with its link, then warnings."""
-    lines = [f"tp={info['tp']} × pp={info['pp']} × dp={info['dp']} = {info['world_size']} GPUs on "
+    dims = named_dims(info["cp"])
+    lines = [" × ".join(f"{d}={info[d]}" for d in dims) + f" = {info['world_size']} GPUs on "
              f"{info['nodes']} node(s) of {info['gpus_per_node']}, rank order {info['order']} (fastest first)", ""]
+    if "sequence" in info:
+        lines += [_sequence_line(info["sequence"]), ""]
     reps = info["replicas"]
     shown = reps if info["world_size"] <= TREE_LIMIT or len(reps) <= 3 else [reps[0], reps[1], None, reps[-1]]
     for rep in shown:
@@ -117,13 +143,14 @@ def format_text(info: dict) -> str:
             continue
         lines.append(f"data-parallel replica {rep['dp']}")
         for st in rep["stages"]:
-            lines.append(f"  └ stage {st['pp']}: tp GPUs {ranges(st['tp_ranks'])} on node "
-                         f"{ranges(st['nodes'])}")
+            lines.append(f"  └ stage {st['pp']}{_cp_part(st)}: tp GPUs {ranges(st['tp_ranks'])} on node "
+                         f"{ranges(st['nodes'])}{_held(st)}")
     lines.append("")
-    for dim in ("tp", "pp", "dp"):
+    for dim in dims:
         groups = info["groups"][dim]
         mine = [l for l in info["links"] if l["dim"] == dim]
-        lines.append(f"{dim} groups ({len(groups)} of {len(groups[0])} GPUs):")
+        ring = ", each a ring" if dim == "cp" else ""
+        lines.append(f"{dim} groups ({len(groups)} of {len(groups[0])} GPUs{ring}):")
         if not mine:
             lines.append("  (size 1: no communication)")
             continue
@@ -137,3 +164,23 @@ def format_text(info: dict) -> str:
     lines.append("")
     lines += [f"warning: {w}" for w in info["warnings"]] or ["no warnings"]
     return "\n".join(lines)
+
+
+def _sequence_line(sequence: dict) -> str:
+    n, seq = sequence["chunks"], sequence["seq"]
+    size = f" of {seq // n} tokens (seq {seq})" if seq is not None else ""
+    rule = f"cp rank r holds chunks r and {n - 1} − r (zig-zag: equal causal work)"
+    return f"sequence: {n} chunks{size}; {rule}" + ("" if seq is not None else "; --seq or --model gives the tokens")
+
+
+def _cp_part(stage: dict) -> str:
+    return f", cp rank {stage['cp']}" if "cp" in stage else ""
+
+
+def _held(stage: dict) -> str:
+    """', chunks 0 and 3 (tokens 0-255, 768-1023)' for a stage entry of a cp rank; '' otherwise."""
+    if "chunks" not in stage:
+        return ""
+    tokens = stage.get("tokens")
+    spans = f" (tokens {', '.join(f'{a}-{b - 1}' for a, b in tokens)})" if tokens else ""
+    return f", chunks {stage['chunks'][0]} and {stage['chunks'][1]}{spans}"

@@ -33,8 +33,9 @@ def run(launcher, as_json, trace_dir, **options):
     if cfg.profile:
         from bench.metrics.profile import check_writable
         check_writable(trace_dir)  # refused in one line before any rank starts
-    click.echo(f"running {cfg.backend} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} ({cfg.world} ranks) "
-               f"run_id={cfg.run_id}", err=True)
+    from bench.layout import named_dims
+    layout = " ".join(f"{d}={getattr(cfg, d)}" for d in named_dims(cfg.cp))
+    click.echo(f"running {cfg.backend} {layout} ({cfg.world} ranks) run_id={cfg.run_id}", err=True)
     row = (run_debug if launcher == "debug" else run_local)(cfg, trace_dir if cfg.profile else None)
     if as_json:
         echo_json(row)
@@ -46,7 +47,7 @@ def run(launcher, as_json, trace_dir, **options):
 
 
 def _print_row(row: dict) -> None:
-    from bench.layout import DIMS
+    from bench.layout import named_dims
     from bench.results import comm_column
     if row["status"] != "ok":
         click.echo(f"status: {row['status']}\n{row['error']}")
@@ -57,7 +58,7 @@ def _print_row(row: dict) -> None:
                f"MFU {row['mfu']:.2%}")
     click.echo(f"peak step memory {row['peak_mem_bytes'] / 2**20:.1f} MiB/rank   "
                f"persistent {row['persistent_bytes'] / 2**20:.1f} MiB/rank")
-    for dim in DIMS:
+    for dim in named_dims(row["cp"]):
         click.echo(f"comm {dim}: {row.get(comm_column('bytes', dim), 0) / 2**20:.3f} MiB/step payload, "
                    f"{row.get(comm_column('wire_bytes', dim), 0) / 2**20:.3f} MiB wire, "
                    f"{row.get(comm_column('ops', dim), 0):.0f} ops")

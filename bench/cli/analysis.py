@@ -37,23 +37,29 @@ def _gib(n: float) -> str:
               help="with --model: check only the layout and model (what Megatron-LM could run), not this suite's backends")
 @click.option("--json", "as_json", is_flag=True, help="ranks, groups, links and warnings as JSON")
 def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
-    """Explain a tp × pp × dp layout: which GPU computes which stage, who talks to whom, over which link.
+    """Explain a tp × cp × pp × dp layout: which GPU computes which stage and holds which sequence
+    chunks, who talks to whom, over which link.
 
-    With --model, each group also shows the ops and bytes per step it moves (other flags as `bench run`)."""
+    With --model, each group also shows the ops and bytes per step it moves (other flags as `bench run`);
+    with --seq (or --model) and --cp, the tokens each cp rank holds."""
     from bench.analysis.explain import explain, format_text
-    if not options["model"]:
-        refuse_unused(options, LAYOUT_FIELDS, "without --model (the layout alone is explained); add --model")
-    from bench.layout import Layout
+    from bench.config import ConfigError, layout_product
+    from bench.layout import Layout, seq_split_reason
     lay = Layout(tp=_given(options, "tp", 1), pp=_given(options, "pp", 1), dp=_given(options, "dp", 1),
                  order=_given(options, "order", "tp-pp-dp"), cp=_given(options, "cp", 1), gpus_per_node=gpus_per_node)
+    if not options["model"]:
+        refuse_unused(options, (*LAYOUT_FIELDS, *(("seq",) if lay.cp > 1 else ())),
+                      "without --model (the layout alone is explained; --seq places the chunks of --cp > 1); "
+                      "add --model")
     world = options.get("world_size")
-    if world is not None and world != lay.world_size:
-        from bench.config import ConfigError, layout_product  # a typo in the layout, not a layout to explain
+    if world is not None and world != lay.world_size:  # a typo in the layout, not a layout to explain
         raise ConfigError(f"{layout_product(lay)} = {lay.world_size}, but --world-size is {world}")
-    cfg = None
+    cfg, seq = None, options.get("seq")
     if options["model"]:
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
-    info = explain(lay, rack_size, cfg)
+    elif seq is not None and seq_split_reason(seq, lay.cp):
+        raise ConfigError(f"--seq: {seq_split_reason(seq, lay.cp)}")
+    info = explain(lay, rack_size, cfg, seq=seq)
     if as_json:
         echo_json(info)
     else:
@@ -85,8 +91,8 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
     else:
         from models.config import count_params
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
-        est = {"params": count_params(cfg.model_config), **predict(cfg, hardware, gpus_per_node, mixed_state,
-                                                                   activations)}
+        est = {"params": count_params(cfg.model_config), "cp": cfg.cp,
+               **predict(cfg, hardware, gpus_per_node, mixed_state, activations)}
     if as_json:
         echo_json(est)
         return
@@ -111,7 +117,7 @@ def _shape_from_options(options: dict):
 
 
 def _print_estimate(est: dict) -> None:
-    from bench.layout import DIMS
+    from bench.layout import named_dims
     from bench.results.schema import comm_column
     if "world_size" not in est:  # --params
         click.echo(f"{est['params']:.4g} params, dp={est['dp']}, ZeRO-{est['zero']}, {est['dtype']}, per device:")
@@ -127,7 +133,7 @@ def _print_estimate(est: dict) -> None:
         return
     click.echo(f"  activations per layer and micro-batch: {_gib(est['activation_bytes_per_layer'])}")
     click.echo("communication per step and rank (payload / ring wire):")
-    for dim in DIMS:
+    for dim in named_dims(est["cp"]):
         payload, wire = est[comm_column("bytes", dim)], est[comm_column("wire_bytes", dim)]
         click.echo(f"  {dim}: {_gib(payload):>14} / {_gib(wire):>14}")
     click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")

@@ -16,8 +16,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from bench.layout import DIMS  # noqa: E402
-from bench.report.labels import MiB, add_labels  # noqa: E402
+from bench.layout import named_dims  # noqa: E402
+from bench.report.labels import MiB, add_labels, cp_of, largest_cp  # noqa: E402
 from bench.results import Status, comm_column  # noqa: E402
 
 PALETTE = "colorblind"
@@ -60,8 +60,8 @@ def throughput_heatmap(df: pd.DataFrame):
     if ok.empty:
         return "no successful run with a tokens_per_s measurement and its layout (tp, pp, dp)"
     configs = per_config(ok, ["tokens_per_s"])
-    configs["world"] = configs["tp"] * configs["pp"] * configs["dp"]
-    # A tp × pp cell ran at several dp only when world sizes differ (dp = world / (tp·pp)): then one
+    configs["world"] = configs["tp"] * configs["pp"] * configs["dp"] * [cp_of(r) for r in configs.to_dict("records")]
+    # A tp × pp cell ran at several dp when world sizes (or cp) differ (dp = world / (tp·cp·pp)): then one
     # panel per backend and world size, so a panel compares layouts of equal resources.
     by_world = configs.groupby(["variant", "tp", "pp"])["dp"].nunique().max() > 1
     panels = sorted(configs.groupby(["variant", "world"] if by_world else "variant").groups)
@@ -97,7 +97,7 @@ def _heatmap_panel(ax, sub: pd.DataFrame, vmax: float, title: str, tps: list, pp
     values = values.astype(float)
     text = pd.DataFrame("", index=values.index, columns=values.columns)
     for r in best.itertuples():
-        text.loc[r.pp, r.tp] = f"{_si(r.tokens_per_s)}\ndp{int(r.dp)}" if pd.notna(r.dp) else _si(r.tokens_per_s)
+        text.loc[r.pp, r.tp] = f"{_si(r.tokens_per_s)}\n{_data_dims(r)}" if pd.notna(r.dp) else _si(r.tokens_per_s)
     sns.heatmap(values, ax=ax, annot=text, fmt="", cmap="viridis", vmin=0, vmax=vmax, cbar=False,
                 linewidths=1, linecolor="white", annot_kws={"fontsize": 9})
     for (i, pp) in enumerate(values.index):
@@ -107,6 +107,12 @@ def _heatmap_panel(ax, sub: pd.DataFrame, vmax: float, title: str, tps: list, pp
     ax.grid(False)
     ax.invert_yaxis()
     ax.set(title=title, xlabel="tp (tensor-parallel size)", ylabel="pp (pipeline stages)")
+
+
+def _data_dims(r) -> str:
+    """What a heatmap cell's layout splits beyond tp × pp: `dp4`, or `cp2·dp2`."""
+    cp = cp_of(r._asdict())
+    return (f"cp{cp}·" if cp > 1 else "") + f"dp{int(r.dp)}"
 
 
 # --- backend comparison -------------------------------------------------------------------------
@@ -174,10 +180,10 @@ def comm_breakdown(df: pd.DataFrame):
     ok = ok_runs(df, "tokens_per_s")
     if not ok.empty and "world_size" in ok:
         ok = ok[pd.to_numeric(ok["world_size"], errors="coerce").fillna(1) > 1]
-    measured = {dim: comm_column("bytes", dim) for dim in DIMS}
+    measured = {dim: comm_column("bytes", dim) for dim in named_dims(largest_cp(ok))}
     if ok.empty or not any(c in ok for c in measured.values()):
         return "no successful multi-rank run with communication counts (comm_bytes_tp/pp/dp)"
-    predicted = {dim: "pred_" + comm_column("bytes", dim) for dim in DIMS}
+    predicted = {dim: "pred_" + comm_column("bytes", dim) for dim in measured}
     have_pred = any(c in ok for c in predicted.values())
     cols = [c for c in (*measured.values(), *predicted.values()) if c in ok]
     for c in cols:

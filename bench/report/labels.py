@@ -8,6 +8,7 @@ from dataclasses import fields
 import pandas as pd
 
 from bench.config import RunConfig
+from bench.layout import named_dims
 
 MiB = 2**20
 DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
@@ -34,12 +35,26 @@ def variant(row) -> str:
 
 
 def layout(row) -> str:
-    return f"tp{_int(row.get('tp'))}·pp{_int(row.get('pp'))}·dp{_int(row.get('dp'))}"
+    """`tp2·pp2·dp1`; `tp2·cp2·pp1·dp2` where the row uses context parallel."""
+    return "·".join(f"{d}{_int(row.get(d))}" for d in named_dims(cp_of(row)))
+
+
+def cp_of(row) -> int:
+    """A row's cp (1 in a table from before cp existed)."""
+    return max(_int(row.get("cp")), 1)
+
+
+def largest_cp(df: pd.DataFrame) -> int:
+    """The largest cp of a table's rows: whether its figures and tables name cp at all."""
+    return max((cp_of(r) for r in df[["cp"]].to_dict("records")), default=1) if "cp" in df else 1
 
 
 def config_label(row) -> str:
-    """`native tp2·pp2·dp1 1f1b m4`: backend variant, layout, then only the options off their defaults."""
+    """`native tp2·pp2·dp1 1f1b m4`: backend variant, layout (with cp > 1 its attention, `ring` or
+    `ulysses`), then only the options off their defaults."""
     parts = [variant(row), layout(row)]
+    if cp_of(row) > 1 and present(row.get("cp_comm")):
+        parts.append(str(row["cp_comm"]))
     pp, m = _int(row.get("pp")), _int(row.get("micro_batches"))
     if pp > 1:
         vs = _int(row.get("virtual_stages"))

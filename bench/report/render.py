@@ -13,8 +13,9 @@ from bench.results import Status
 
 CAPTIONS = {
     "throughput_heatmap": "Tokens per second for each tensor × pipeline layout, one panel per backend variant "
-                          "(and per world size when a layout ran at several dp, dp = world / (tp·pp)). A cell "
-                          "shows the best config of that layout (over schedules, micro-batches, …) and its dp.",
+                          "(and per world size when a layout ran at several dp, dp = world / (tp·cp·pp)). A cell "
+                          "shows the best config of that layout (over schedules, micro-batches, …) and its dp "
+                          "(cp·dp where it split the sequence).",
     "backend_comparison": "The best config of each backend variant and layout at the same world size. Bars: mean "
                           "over repeats; whiskers: min–max over repeats (none for single runs). Memory per "
                           "rank = model state (params + grads + optimizer state) + the measured step peak, max "

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.config import DEFAULTS
-from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Kind, Status
+from bench.layout import DIMS
+from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Kind, Status, comm_columns
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -177,14 +178,15 @@ def to_dataframe(rows: list[dict], source: str = "<rows>") -> "pd.DataFrame":
     """Rows → DataFrame with every column of every row (bench.results.ALWAYS), typed as declared, and checked.
     Columns only some rows have (backend extras, predictions) come after them; undeclared ones load as they are."""
     import pandas as pd
-    raw = pd.DataFrame.from_records(rows)
+    raw = pd.DataFrame.from_records([{**ADDED_LATER, **row} for row in rows])  # an older row lacks the newer fields
     order = list(ALWAYS) + sorted(c for c in raw.columns if c not in ALWAYS)
     missing = pd.Series([None] * len(raw), index=raw.index, dtype=object)
     # built in one go: a frame assigned column by column is fragmented, and its users' assign then warns
     df = pd.DataFrame({name: _typed(raw.get(name, missing), COLUMNS[name].type) if name in COLUMNS
                        else _one_type(raw[name]) for name in order})
+    _size_one_moved_nothing(df)
     check(df, source)
-    return df.sort_values(["status", "backend", "world_size", "tp", "pp", "dp", "run_id"],
+    return df.sort_values(["status", "backend", "world_size", "tp", "cp", "pp", "dp", "run_id"],
                           key=lambda s: s.astype(str), ignore_index=True)
 
 
@@ -219,6 +221,19 @@ ADDED_LATER = {**{k: v for k, v in DEFAULTS.items() if not isinstance(v, tuple)}
 """Every-row columns a reader fills in when an older table of the same schema version lacks them (a new
 RunConfig field with its default, a new measurement or environment field empty): adding a column is no
 change of meaning (SCHEMA_VERSION's rule)."""
+
+
+def _size_one_moved_nothing(df: "pd.DataFrame") -> None:
+    """A dimension's communication columns (comm_*_cp) that an older table lacks, in a measured row where
+    that dimension has size 1: 0, what the counter records for a group of one rank and what a new run of
+    the config writes, so `compare` finds it equal (not `no data`). Rows without a measurement stay empty."""
+    import pandas as pd
+    ok = df["status"] == Status.OK
+    for dim in DIMS:
+        size_one = pd.to_numeric(df[dim], errors="coerce") == 1
+        for name in comm_columns(dims=(dim,)):
+            values = pd.to_numeric(df[name], errors="coerce").astype("float64")
+            df[name] = values.mask(values.isna() & ok & size_one, 0.0)
 
 
 def check(df: "pd.DataFrame", source: str) -> None:
@@ -281,6 +296,7 @@ def load_results(path: str | Path) -> "pd.DataFrame":
     for name, default in ADDED_LATER.items():  # added within this schema version: an older table lacks them
         if name not in df.columns:
             df[name] = default
+    _size_one_moved_nothing(df)
     check(df, str(path))
     return df
 

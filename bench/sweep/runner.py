@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.config import ConfigError, RunConfig
+from bench.layout import named_dims
 from bench.results import PROBLEMS, Status, skipped_row
 from bench.sweep.launcher import Launcher
 from bench.sweep.spec import Expansion, SweepError, SweepSpec, describe, expand
@@ -271,14 +272,17 @@ def _first_line(text) -> str:
 
 # --- tables -----------------------------------------------------------------------------------------------
 
-ALWAYS = ("backend", "world_size", "tp", "pp", "dp")
+def _always(rows: list[dict]) -> list[str]:
+    """The columns every table shows: backend, world size and the layout (cp where a row uses it)."""
+    return ["backend", "world_size", *named_dims(max((r.get("cp") or 1 for r in rows), default=1))]
 
 
 def _varying(rows: list[dict]) -> list[str]:
     """Config columns worth showing: the layout, plus any field that differs between rows."""
     from dataclasses import fields as dc_fields
-    names = [f.name for f in dc_fields(RunConfig) if f.name not in ALWAYS and f.name not in ("timeout_s",)]
-    return list(ALWAYS) + [n for n in names if len({str(r.get(n)) for r in rows}) > 1]
+    always = _always(rows)
+    names = [f.name for f in dc_fields(RunConfig) if f.name not in always and f.name not in ("timeout_s",)]
+    return always + [n for n in names if len({str(r.get(n)) for r in rows}) > 1]
 
 
 def dry_run_table(spec: SweepSpec, exp: Expansion, launch: Launcher | None = None):
@@ -331,7 +335,7 @@ def summary_table(rows: list[dict], title: str):
         table.add_column(name, overflow="fold", max_width=60 if name == "note" else None)
     order = {s: i for i, s in enumerate(Status)}
     for row in sorted(rows, key=lambda r: (order.get(r["status"], 9), str(r.get("backend")), r.get("world_size") or 0,
-                                           str(r.get("tp")), str(r.get("pp")))):
+                                           str(r.get("tp")), str(r.get("cp")), str(r.get("pp")))):
         ok = row["status"] == Status.OK
         colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(row["status"], "red")
         table.add_row(*(_cell(row.get(c)) for c in columns), f"[{colour}]{row['status']}[/]",

@@ -10,7 +10,7 @@ A sweep file (loaded with `yaml.safe_load`; every key is optional except `grid`)
     grid:                            # cartesian product; any RunConfig field is an axis
       backend: [native, ddp, fsdp, deepspeed]
       tp: [1, 2]
-      dp: auto                       # world_size / (tp · pp)
+      dp: auto                       # world_size / (tp · cp · pp)
     zip:                             # groups of axes that move together (lists of equal length)
       - {micro_batch: [1, 2, 4], micro_batches: [8, 4, 2]}
     backends:                        # options (axes) that apply to one backend only
@@ -48,14 +48,16 @@ import math
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any, Optional
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError, WrapValidator,
                       create_model, field_validator, model_validator)
 
 from bench.choices import BACKENDS
+from bench.layout import named_dims
 from bench.config import (LIST_FIELDS, MODEL_TYPES, ConfigError, RunConfig, annotation, check_number, choices, fault_reason,
-                          field_reason)
+                          field_reason, layout_product)
 from bench.config import model_config as resolve_model  # `model_config` is pydantic's name for a model's settings
 from bench.results import skipped_row
 from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
@@ -158,7 +160,7 @@ def _no_fault(value):
 
 
 def _or_auto(value, handler):
-    """dp may be `auto`: world_size / (tp · pp)."""
+    """dp may be `auto`: world_size / (tp · cp · pp)."""
     if value == "auto":
         return value
     try:
@@ -578,7 +580,7 @@ def _flatten(block: dict, prefix: str = ""):
 def describe(cfg: RunConfig | dict) -> str:
     """A run in a few words (progress lines, skip reasons): the layout and what sets it apart."""
     get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    text = f"{get('backend')} tp={get('tp')} pp={get('pp')} dp={get('dp')}"
+    text = f"{get('backend')} " + " ".join(f"{d}={get(d)}" for d in named_dims(get("cp") or 1))
     if get("backend") == "deepspeed" or get("zero"):
         text += f" zero={get('zero')}"
     if get("fsdp"):
@@ -653,10 +655,13 @@ def _resolve(spec: SweepSpec, params: dict) -> tuple[dict, str | None]:
     """Fill dp: auto from the world size; say why when it does not divide."""
     if params.get("dp") != "auto":
         return params, None
-    world, tp, pp = params["world_size"], params.get("tp", 1), params.get("pp", 1)
-    if world % (tp * pp):
-        return params, (f"dp: auto: world_size ({world}) is not divisible by tp ({tp}) × pp ({pp}) = {tp * pp}")
-    return {**params, "dp": world // (tp * pp)}, None
+    world = params["world_size"]
+    sizes = SimpleNamespace(**{d: params.get(d, 1) for d in ("tp", "cp", "pp")})
+    others = sizes.tp * sizes.cp * sizes.pp
+    if world % others:
+        return params, (f"dp: auto: world_size ({world}) is not divisible by {layout_product(sizes, ('tp', 'cp', 'pp'))} "
+                        f"= {others}")
+    return {**params, "dp": world // others}, None
 
 
 def _excluded(spec: SweepSpec, item: RunConfig | dict) -> bool:
