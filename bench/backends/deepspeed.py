@@ -347,10 +347,12 @@ class ZeroTrainer(_DeepSpeedTrainer):
         if cfg.zero < 3:
             from models import build_model
             return build_model(mcfg, cfg.seed, "cpu")
-        # Each module's weights are partitioned over dp as soon as the module is built. No `dtype=`:
-        # 0.19.8 ignores it on a CPU without fp16 (operator precedence in Init._set_dtype) and
-        # builds bf16 weights; without it the dtype comes from the config (fp32 or bf16).
-        with self.ds.zero.Init(config_dict_or_path=self.config, mpu=self.mpu):
+        # Each module's weights are partitioned over dp × cp (the group the engine reduces over; Init's
+        # default is the world) as soon as the module is built. No `dtype=`: 0.19.8 ignores it on a CPU
+        # without fp16 (operator precedence in Init._set_dtype) and builds bf16 weights; without it the
+        # dtype comes from the config (fp32 or bf16).
+        with self.ds.zero.Init(config_dict_or_path=self.config, mpu=self.mpu,
+                               data_parallel_group=self.mpu.get_sequence_data_parallel_group()):
             model = GPT(mcfg)
         fill_from_init(model, mcfg, cfg.seed)  # each rank writes its flat partitions only
         return model
