@@ -117,6 +117,8 @@ def test_ds_set_overrides_dotted_keys_with_yaml_scalars():
     (dict(model_overrides=("tie_embeddings=true",), tp=2), "tie_embeddings"),
     (dict(model="tiny", cp=2, pp=2, micro_batches=2), r"cp \(2\) with pp \(2\) is not supported .* use pp = 1"),
     (dict(model="tiny-llama", cp=4), r"kv_heads \(2\) divisible by tp × cp = 4"),
+    (dict(model="tiny", cp=2, zero=3, ds_set=("zero_optimization.reduce_scatter=false",)),
+     "reduce_scatter=false is not supported with cp > 1"),
 ])
 def test_bad_options_rejected_before_processes_start(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -371,13 +371,12 @@ class ZeroTrainer(_DeepSpeedTrainer):
 
 def _cp_loss_share(cfg, config: dict) -> float:
     """What each rank's mean loss is multiplied by before backward so that DeepSpeed's reduction yields the
-    mean over dp × cp (DeepSpeed 0.19.8's rules, checked by tests/test_cp_parity.py): ZeRO 0-2, and ZeRO-3
-    without reduce-scatter, divide the sum over dp × cp by dp × cp / cp — they average over dp and sum over
-    cp, expecting each rank's share of its sequence's loss: 1/cp of its mean; ZeRO-3's reduce-scatter (its
-    default) averages over all dp × cp ranks: the mean as it is."""
-    zero = config["zero_optimization"]
-    averages_over_cp = zero["stage"] == 3 and zero.get("reduce_scatter", True)
-    return 1.0 if averages_over_cp else 1.0 / cfg.cp
+    mean over dp × cp (DeepSpeed 0.19.8's rules, checked by tests/test_cp_parity.py): ZeRO 0-2 divide the
+    sum over dp × cp by dp × cp / cp — they average over dp and sum over cp, expecting each rank's share
+    of its sequence's loss: 1/cp of its mean; ZeRO-3's reduce-scatter averages over all dp × cp ranks: the
+    mean as it is (its all-reduce path, reduce_scatter=false, mixes both rules: refused by
+    bench.conventions.check_ds_set)."""
+    return 1.0 if config["zero_optimization"]["stage"] == 3 else 1.0 / cfg.cp
 
 
 # --- pipeline ---------------------------------------------------------------------------------------
