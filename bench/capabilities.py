@@ -60,6 +60,8 @@ class Capabilities:
     cp_comms: tuple[str, ...] = ()
     """Context-parallel attention algorithms (`--cp-comm`, bench.choices.CP_COMMS), the default first;
     empty: no context parallel (cp = 1 only)."""
+    cp_with_pp: bool = True
+    """Context parallel together with pipeline parallel (cp > 1 and pp > 1)."""
     recompute: tuple[str, ...] = RECOMPUTE
     """Activation recomputation modes (bench.surgery.apply_recompute)."""
     compile: str | None = "torch.compile of each block (bench.surgery.compile_blocks)"
@@ -89,6 +91,7 @@ CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (
     # embedding and head separately; its fp16 section scales the loss.
     Capabilities("deepspeed", zero=ZERO_STAGES, pipeline_zero=(0, 1), pipeline_engine="DeepSpeed's pipeline engine",
                  schedules=("1f1b",), virtual_stages=False, dtypes=DTYPES, loss_scaler=True, cp_comms=("ulysses",),
+                 cp_with_pp=False,  # its pipeline engine reduces over its grid's dp group, never dp × cp
                  tied_embeddings_need_one=("tp",), ds_set=True, compile=None,
                  no_compile_why="its engine owns the module's forward (ZeRO-3 parameter hooks, the pipeline "
                                 "engine's layers); torch.compile of blocks under it is untested here"),
@@ -250,6 +253,10 @@ def _parallelism(caps: Capabilities, cfg) -> str | None:
         others = [b for b, c in CAPABILITIES.items() if cfg.cp_comm in c.cp_comms]
         who = f"backend {others[0]} does" if len(others) == 1 else f"backends {' and '.join(others)} do"
         return f"backend {name} runs cp_comm {' and '.join(caps.cp_comms)}, not {cfg.cp_comm}" + (f" ({who})" if others else "")
+    if cfg.cp > 1 and cfg.pp > 1 and not caps.cp_with_pp:
+        able = " or ".join(b for b, c in CAPABILITIES.items() if c.cp_comms and c.cp_with_pp)
+        return (f"backend {name}: cp ({cfg.cp}) with pp ({cfg.pp}) is not supported ({caps.pipeline_engine} "
+                f"reduces gradients over its data-parallel group, not dp × cp); use pp = 1, or backend {able}")
     if cfg.sequence_parallel and not caps.sequence_parallel:
         return f"backend {name}: sequence_parallel is not supported ({_who('sequence_parallel')} engine only)"
     if cfg.model_config.tie_embeddings:

@@ -212,6 +212,10 @@ def check_ds_set(cfg) -> str | None:
             return (f"backend deepspeed: ds_set {key} contradicts the run's batch "
                     f"(micro_batch={cfg.micro_batch}, micro_batches={cfg.micro_batches}, dp={cfg.dp}); "
                     "set --micro-batch / --micro-batches instead")
+    if cfg.cp > 1 and stage == 3 and zero.get("reduce_scatter", True) is not True:
+        return ("backend deepspeed: ds_set zero_optimization.reduce_scatter=false is not supported with cp > 1 "
+                "at zero=3 (DeepSpeed 0.19.8 then averages some gradient buckets over dp, others over dp × cp); "
+                "drop that override")
     if _enabled(config, "fp16") and cfg.device != "cuda":
         return ("backend deepspeed: fp16 is not supported on cpu (DeepSpeed's CPU accelerator refuses it); "
                 "use dtype bf16-mixed or fp32, or --device cuda on a GPU host")

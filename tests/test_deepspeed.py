@@ -115,6 +115,10 @@ def test_ds_set_overrides_dotted_keys_with_yaml_scalars():
     (dict(pp=2, schedule="gpipe"), "runs 1f1b only"),
     (dict(compile=True), "compile is not supported"),
     (dict(model_overrides=("tie_embeddings=true",), tp=2), "tie_embeddings"),
+    (dict(model="tiny", cp=2, pp=2, micro_batches=2), r"cp \(2\) with pp \(2\) is not supported .* use pp = 1"),
+    (dict(model="tiny-llama", cp=4), r"kv_heads \(2\) divisible by tp × cp = 4"),
+    (dict(model="tiny", cp=2, zero=3, ds_set=("zero_optimization.reduce_scatter=false",)),
+     "reduce_scatter=false is not supported with cp > 1"),
 ])
 def test_bad_options_rejected_before_processes_start(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -215,3 +219,43 @@ def test_world4_zero3_and_pipeline_times_data_parallel(pools, reference):
                                 dict(pp=2, dp=2, micro_batches=2, order="tp-dp-pp"), dict(tp=2, dp=2, zero=3)])
 def test_world4_layouts(pools, reference, kw):
     assert_parity(run_ok(pools, **kw), reference)
+
+
+# --- context parallel: Ulysses' all-to-alls, counted -------------------------------------------------------
+ULYSSES = {  # tiny-llama (GQA: 4 query heads, 2 K/V heads of 16), cp 2, micro-batch 2 × seq 32, ZeRO-0
+    "fp32": dict(), "bf16": dict(dtype="bf16-mixed"), "selective": dict(recompute="selective"),
+    "full": dict(recompute="full")}
+
+
+def _ulysses_all_to_alls(cfg, trainer, groups) -> dict | None:
+    """(ops, payload bytes) of the cp group's all-to-alls in one micro-batch's forward and its backward."""
+    from bench.metrics.comm import CommCounter
+    (x, y), = trainer.batch(0)
+    with CommCounter(dim_of=groups.dim_of) as forward:
+        loss = trainer.loss(trainer.engine(x), y)
+    with CommCounter(dim_of=groups.dim_of) as backward:
+        trainer.engine.backward(loss)
+    counted = {phase: c.stats[("cp", "all_to_all")] for phase, c in (("forward", forward), ("backward", backward))}
+    return {phase: (s.ops, s.bytes) for phase, s in counted.items()} if groups.rank == 0 else None
+
+
+def _ulysses_on_rank(cfg_dicts: list[dict]) -> list | None:
+    from support.parity import each_config
+    return each_config(cfg_dicts, _ulysses_all_to_alls)
+
+
+def test_ulysses_sends_four_all_to_alls_per_layer_each_way(pools):
+    """Per layer and micro-batch, forward: one all-to-all each of Q, K and V (heads scattered, sequence
+    gathered) and one of the output (back); backward: the four mirrored (dO, then dQ, dK, dV). Each payload
+    is the rank's whole tensor: B·(T/cp)·hd·(2·nh + 2·nkv)·β bytes per layer each way. Selective recompute
+    reruns the local attention only; full recompute reruns the forward's four in backward."""
+    cfgs = [RunConfig(backend="deepspeed", model="tiny-llama", cp=2, micro_batch=2, steps=1, warmup=0, **f)
+            for f in ULYSSES.values()]
+    counts = pools(2).call(_ulysses_on_rank, [c.to_dict() for c in cfgs], timeout_s=600)[0]
+    m = PRESETS["tiny-llama"]
+    for name, cfg, got in zip(ULYSSES, cfgs, counts):
+        beta = 2 if cfg.dtype == "bf16-mixed" else 4
+        per_layer = cfg.micro_batch * (cfg.seq // cfg.cp) * m.head_dim * (2 * m.heads + 2 * m.num_kv_heads) * beta
+        reruns = 2 if cfg.recompute == "full" else 1
+        assert got == {"forward": (4 * m.layers, per_layer * m.layers),
+                       "backward": (4 * m.layers * reruns, per_layer * m.layers * reruns)}, (name, got)

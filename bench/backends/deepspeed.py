@@ -12,6 +12,12 @@
   blocks, norm + head): a stage builds only its layers.
 - Tensor parallel uses the native engine's TP layers (`bench.native.tensor`) inside DeepSpeed's
   engine, as Megatron-DeepSpeed does; the row's `tp_impl` says so.
+- Context parallel is DeepSpeed Ulysses: every attention core runs inside
+  `deepspeed.sequence.layer.DistributedAttention` over our cp group (`use_ulysses`), each rank holding a
+  contiguous chunk of every sequence at its global positions. The `mpu` names our dp × cp group as
+  DeepSpeed's sequence-data-parallel group, so ZeRO 0-3 reduce and shard over dp × cp; ZeRO 0-2 average
+  over dp and sum over cp, so there each rank backpropagates its share of the sequence's mean loss
+  (`_cp_loss_share`).
 - Model-state bytes are DeepSpeed's own local tensors (flat parameter buffers or ZeRO-3 partitions,
   fp32 master partitions, optimizer moments, and the gradients its optimizer steps on), counted by
   the rule every backend is counted by (`bench.metrics.memory.state_bytes`).
@@ -30,12 +36,15 @@ import torch
 import torch.nn as nn
 
 from bench.backends.deepspeed_config import final_config
+from bench.context_parallel import set_positions
+from bench.data import sequence_share
 from bench.device import comm_backend
 from bench.distributed import ProcessGroups
 from bench.metrics.memory import optimizer_tensors
 from bench.surgery import fill_from_init, materialize, meta_module, transform_blocks
 from bench.training import Batch, RunContext, Trainer, make_optimizer, whole_over_tp
 from models import GPT, loss_fn
+from models.gpt import Attention
 
 # Our dims → DeepSpeed's topology axis names.
 _AXIS = {"tp": "model", "pp": "pipe", "dp": "data"}
@@ -86,7 +95,8 @@ def _release_global_state() -> None:
 
 
 class GroupsMpu:
-    """DeepSpeed's `mpu` interface over our ProcessGroups (model parallel = tp, as with pp = 1)."""
+    """DeepSpeed's `mpu` interface over our ProcessGroups (model parallel = tp, as with pp = 1; sequence
+    parallel = cp, and DeepSpeed's sequence-data-parallel group, which ZeRO reduces and shards over, dp × cp)."""
 
     def __init__(self, groups: ProcessGroups):
         self.g = groups
@@ -128,12 +138,70 @@ class GroupsMpu:
     def get_pipeline_model_parallel_rank(self):
         return self.g.coord.pp
 
+    def get_sequence_parallel_group(self):
+        return self.g.cp
+
+    def get_sequence_parallel_world_size(self):
+        return self.g.layout.cp
+
+    def get_sequence_parallel_rank(self):
+        return self.g.coord.cp
+
+    def get_sequence_data_parallel_group(self):
+        return self.g.dp_cp
+
+    def get_sequence_data_parallel_world_size(self):
+        return self.g.layout.dp * self.g.layout.cp
+
+    def get_sequence_data_parallel_rank(self):
+        return sorted(self.g.ranks["dp_cp"]).index(self.g.rank)  # a group's ranks in its order
+
 
 def topology(layout):
     """DeepSpeed ProcessTopology with the rank order of `layout` (DeepSpeed lists axes slowest first)."""
     from deepspeed.runtime.pipe.topology import ProcessTopology
     dims = list(reversed(layout.order.split("-")))  # e.g. tp-pp-dp → [dp, pp, tp]
     return ProcessTopology(axes=[_AXIS[d] for d in dims], dims=[getattr(layout, d) for d in dims])
+
+
+# --- context parallel: DeepSpeed Ulysses -------------------------------------------------------------
+class _BatchSeqHeads(nn.Module):
+    """The model's core as DistributedAttention's local attention: q, k, v in its (B, T, heads/cp, hd)."""
+
+    def __init__(self, core: nn.Module):
+        super().__init__()
+        self.core = core
+
+    def forward(self, q, k, v):  # (B, T, heads/cp, hd) ↔ the core's (B, heads/cp, T, hd)
+        return self.core(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+
+
+class UlyssesAttention(nn.Module):
+    """The model's attention core run over the cp group by DeepSpeed Ulysses (no parameters: names unchanged).
+
+    DistributedAttention, batch first: one all-to-all each for Q, K and V scatters the heads and gathers
+    the sequence, (B, T/cp, heads, hd) → (B, T, heads/cp, hd), in cp-rank order (so the gathered sequence
+    is whole and in order: `bench.data.sequence_share` gives Ulysses contiguous chunks); the core attends
+    causally over the whole sequence for its heads; one all-to-all of the output scatters the sequence
+    back. Under GQA each rank gets nkv/cp K/V heads and the query heads that read them."""
+
+    def __init__(self, core: nn.Module, cp_group):
+        super().__init__()
+        from deepspeed.sequence.layer import DistributedAttention
+        # scatter_idx 2: the heads of (B, T/cp, heads, hd); gather_idx 1: its sequence
+        self.ulysses = DistributedAttention(_BatchSeqHeads(core), cp_group, scatter_idx=2, gather_idx=1)
+
+    def forward(self, q, k, v):  # q (B, nh, T/cp, hd), k and v (B, nkv, T/cp, hd) → (B, nh, T/cp, hd)
+        return self.ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), batch_dim_idx=0).transpose(1, 2)
+
+
+def use_ulysses(model: nn.Module, cfg, groups: ProcessGroups, device: torch.device) -> nn.Module:
+    """cp > 1: every Attention's core (selective recompute's wrapper included, so recompute reruns the
+    local attention only, never an all-to-all) runs under Ulysses over the cp group, and the model takes
+    the global positions of this rank's chunk. Apply after `transform_blocks`."""
+    for attn in [m for m in model.modules() if isinstance(m, Attention)]:
+        attn.core = UlyssesAttention(attn.core, groups.cp)
+    return set_positions(model, sequence_share(cfg, groups.coord.cp, device))
 
 
 # --- gradient / state accounting -------------------------------------------------------------------
@@ -165,6 +233,8 @@ class _DeepSpeedTrainer(Trainer):
 
     def _initialize(self, model: nn.Module, mpu=None):
         transform_blocks(model, self.ctx.cfg)  # recompute (compile is refused: bench.capabilities)
+        if self.ctx.cfg.cp > 1:  # pp = 1 (bench.capabilities)
+            use_ulysses(model, self.ctx.cfg, self.ctx.groups, self.ctx.device)
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
         self.engine, self.optimizer, _, _ = self.ds.initialize(
             model=model, optimizer=optimizer, config=self.config, mpu=mpu, dist_init_required=False)
@@ -209,6 +279,8 @@ class _DeepSpeedTrainer(Trainer):
     def extras(self) -> dict:
         out = {"ds_config": json.dumps(self.config, sort_keys=True), "tp_impl": self.tp_impl,
                "ds_optimizer": type(self.engine.optimizer).__name__}
+        if self.ctx.cfg.cp > 1:
+            out["cp_impl"] = "DeepSpeed Ulysses (deepspeed.sequence.DistributedAttention)"
         if self.engine.fp16_enabled():  # DeepSpeed's own dynamic loss scaler (its fp16 section)
             out["skipped_steps"] = self.engine.skipped_steps
         if self._comms_step:  # comms logger on (ds_set comms_logger.enabled=true): the last step's record
@@ -263,6 +335,7 @@ class ZeroTrainer(_DeepSpeedTrainer):
         super().__init__(ds, ctx, config)
         self.mpu = GroupsMpu(ctx.groups)
         self.loss = _loss(ctx)
+        self.loss_share = _cp_loss_share(ctx.cfg, config)
         self._initialize(self._build_model(), mpu=self.mpu)
 
     def _build_model(self) -> nn.Module:
@@ -274,10 +347,12 @@ class ZeroTrainer(_DeepSpeedTrainer):
         if cfg.zero < 3:
             from models import build_model
             return build_model(mcfg, cfg.seed, "cpu")
-        # Each module's weights are partitioned over dp as soon as the module is built. No `dtype=`:
-        # 0.19.8 ignores it on a CPU without fp16 (operator precedence in Init._set_dtype) and
-        # builds bf16 weights; without it the dtype comes from the config (fp32 or bf16).
-        with self.ds.zero.Init(config_dict_or_path=self.config, mpu=self.mpu):
+        # Each module's weights are partitioned over dp × cp (the group the engine reduces over; Init's
+        # default is the world) as soon as the module is built. No `dtype=`: 0.19.8 ignores it on a CPU
+        # without fp16 (operator precedence in Init._set_dtype) and builds bf16 weights; without it the
+        # dtype comes from the config (fp32 or bf16).
+        with self.ds.zero.Init(config_dict_or_path=self.config, mpu=self.mpu,
+                               data_parallel_group=self.mpu.get_sequence_data_parallel_group()):
             model = GPT(mcfg)
         fill_from_init(model, mcfg, cfg.seed)  # each rank writes its flat partitions only
         return model
@@ -286,12 +361,22 @@ class ZeroTrainer(_DeepSpeedTrainer):
         self._begin_step()
         losses = []
         for x, y in batch:
-            loss = self.loss(self.engine(x), y)
-            self.engine.backward(loss)  # DeepSpeed scales by 1 / gradient_accumulation_steps
+            loss = self.loss(self.engine(x), y)  # the mean over this rank's tokens
+            self.engine.backward(loss * self.loss_share)  # DeepSpeed scales by 1 / gradient_accumulation_steps
             self.engine.step()  # steps the optimizer at the accumulation boundary only
             losses.append(loss.detach())
         self._end_step()
         return torch.stack(losses).mean()  # on the device: the worker reads it after the timed window
+
+
+def _cp_loss_share(cfg, config: dict) -> float:
+    """What each rank's mean loss is multiplied by before backward so that DeepSpeed's reduction yields the
+    mean over dp × cp (DeepSpeed 0.19.8's rules, checked by tests/test_cp_parity.py): ZeRO 0-2 divide the
+    sum over dp × cp by dp × cp / cp — they average over dp and sum over cp, expecting each rank's share
+    of its sequence's loss: 1/cp of its mean; ZeRO-3's reduce-scatter averages over all dp × cp ranks: the
+    mean as it is (its all-reduce path, reduce_scatter=false, mixes both rules: refused by
+    bench.conventions.check_ds_set)."""
+    return 1.0 if config["zero_optimization"]["stage"] == 3 else 1.0 / cfg.cp
 
 
 # --- pipeline ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ which (θ₀ − θ₁)/LR is exactly the gradient the optimizer received — af
 ZeRO/FSDP partitioning — reassembled whole from every rank's parameters (`Trainer.named_full_parameters`). Unlike a loss after Adam
 steps (Adam is invariant to a constant gradient scale) it sees a gradient off by any factor.
 `deepspeed_gradients(pool, cfgs)`: DeepSpeed's own reduced gradient (`safe_get_full_grad`) at its
-optimizer boundary, reassembled the same way.
+optimizer boundary, reassembled the same way; `deepspeed_runs` adds the losses of a few steps.
 """
 from __future__ import annotations
 
@@ -110,17 +110,23 @@ def deepspeed_gradients(pool, cfgs: list, timeout_s: float = 600) -> list[dict]:
     """DeepSpeed configs: every parameter's gradient as DeepSpeed hands it to its optimizer step — read
     with `deepspeed.utils.safe_get_full_grad` (ZeRO 0-3, its pipeline: after the reduction, partitions
     gathered) when its ZeRO optimizer's step begins — reassembled whole on rank 0."""
-    grads = pool.call(_ds_grads_on_rank, [c.to_dict() for c in cfgs], timeout_s=timeout_s)[0]
-    return [{k: torch.from_numpy(v) for k, v in g.items()} for g in grads]
+    return [run["grads"] for run in deepspeed_runs(pool, cfgs, steps=1, timeout_s=timeout_s)]
 
 
-def _ds_grads_on_rank(cfg_dicts: list[dict]) -> list[dict] | None:
-    return each_config(cfg_dicts, _ds_grads_at_step)
+def deepspeed_runs(pool, cfgs: list, steps: int = 3, timeout_s: float = 600) -> list[dict]:
+    """DeepSpeed configs trained `steps` steps from the reference weights: {"losses": the global mean loss
+    of every step, "grads": DeepSpeed's reduced step-1 gradients (as `deepspeed_gradients`)}."""
+    runs = pool.call(_ds_runs_on_rank, [c.to_dict() for c in cfgs], steps, timeout_s=timeout_s)[0]
+    return [{**run, "grads": {k: torch.from_numpy(v) for k, v in run["grads"].items()}} for run in runs]
 
 
-def _ds_grads_at_step(cfg, trainer, groups) -> dict | None:
+def _ds_runs_on_rank(cfg_dicts: list[dict], steps: int) -> list[dict] | None:
+    return each_config(cfg_dicts, _ds_train, steps)
+
+
+def _ds_train(cfg, trainer, groups, steps: int) -> dict | None:
     """DeepSpeed's own view, so this one reads its engine: the gradient `safe_get_full_grad` returns at the
-    optimizer boundary (reduced, partitions gathered, not yet applied)."""
+    first optimizer boundary (reduced, partitions gathered, not yet applied), and every step's loss."""
     from deepspeed.utils import safe_get_full_grad
     from bench.backends.deepspeed import gpt_name
     named, opt = list(trainer.engine.module.named_parameters()), trainer.engine.optimizer
@@ -128,12 +134,16 @@ def _ds_grads_at_step(cfg, trainer, groups) -> dict | None:
     step = opt.step
 
     def read_then_step(*args, **kwargs):
-        seen.update((gpt_name(n, cfg.pp), safe_get_full_grad(p).detach().clone()) for n, p in named)
+        if not seen:
+            seen.update((gpt_name(n, cfg.pp), safe_get_full_grad(p).detach().clone()) for n, p in named)
         return step(*args, **kwargs)
     opt.step = read_then_step
-    trainer.train(trainer.batch(0))
+    losses = []
+    for i in range(steps):
+        loss = trainer.train(trainer.batch(i))
+        losses.append(_global_loss(None if loss is None else loss.item()))
     grads = on_rank0({name: whole_over_tp(name, g, groups).clone() for name, g in seen.items()}, groups)
-    return grads and {k: v.numpy() for k, v in grads.items()}
+    return grads and {"losses": losses, "grads": {k: v.numpy() for k, v in grads.items()}}
 
 
 # --- any backend: losses, gradients and communication ----------------------------------------------
