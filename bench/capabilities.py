@@ -152,6 +152,14 @@ class Engine:
     mixed_comm_bytes: tuple[int, int] | None = None
     """(gradient reduction, parameter gather) element bytes under mixed precision when the engine fixes
     them (FSDP2's MixedPrecisionPolicy: reduce in fp32, gather in bf16); None: the state convention's."""
+    cp_grad_comm_bytes: int | None = None
+    """Gradient reduction element bytes when cp > 1, if the engine switches them (DeepSpeed: its
+    `seq_parallel_communication_data_type`, fp32 by default, engine.py's sequence-parallel setup);
+    None: as at cp = 1."""
+    selective_reruns_cp: bool = True
+    """Selective recompute re-runs the attention's cp traffic in backward: the ring runs inside the
+    recomputed AttentionCore; False: the recomputed part is inside the all-to-alls (DeepSpeed's
+    DistributedAttention wraps the core after recompute is applied)."""
     recompute_reruns_tp: bool = False
     """Full recomputation re-runs each block's tp collectives in backward (torch.utils.checkpoint over
     the native tp layers)."""
@@ -206,7 +214,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            optimizer_steps="bucket-shards"),
     Engine("deepspeed", "zero", "zero-stage", "zero-partitions", grads_freed="step_start", pipeline="pipe-engine",
            reduces_after_backward=True, partition_accumulation_from=2, copy_bytes=DEEPSPEED_COPY_BYTES,
-           optimizer_steps="partition", bf16_pipeline_optimizer=True),
+           optimizer_steps="partition", bf16_pipeline_optimizer=True, cp_grad_comm_bytes=4,
+           selective_reruns_cp=False),
     Engine("fsdp", "autocast", "fsdp-mode", "dim0-shards", vocab_parallel=False, autocast_copies=False,
            mixed_comm_bytes=(4, 2), fills_when_m_is_p=False, pipeline="torch-pipelining"),
     Engine("ddp", "autocast", "zero-stage", "reducer"),

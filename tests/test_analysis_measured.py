@@ -53,6 +53,10 @@ CONTEXT = [
     dict(backend="fsdp", cp=2, dp=2, micro_batches=2, fsdp="full"),
     dict(backend="fsdp", cp=2, tp=2, micro_batches=1, fsdp="full", dtype="bf16-mixed"),
     dict(backend="fsdp", cp=2, micro_batches=2, fsdp="grad-op"),
+    dict(backend="deepspeed", cp=2, micro_batches=2, zero=1),
+    dict(backend="deepspeed", cp=2, dp=2, micro_batches=1, zero=3, ds_set=PARTITIONED),
+    dict(backend="deepspeed", cp=2, tp=2, micro_batches=1, zero=0, dtype="bf16-mixed"),
+    dict(backend="deepspeed", cp=2, micro_batches=1, zero=2, recompute="selective"),
 ]
 SLOW = [
     dict(backend="native", tp=1, pp=2, dp=2, micro_batches=4, schedule="gpipe", dtype="bf16-mixed"),

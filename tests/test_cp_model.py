@@ -38,12 +38,13 @@ def test_ring_bytes_and_ops_by_hand(cp, dtype, beta, recompute):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_ulysses_bytes_and_ops_by_hand(cp, recompute):
     # deepspeed.sequence.layer.DistributedAttention: one all_to_all_single each of q, k, v and the output
     # forward, and of their gradients backward; the counter's payload is the input. tiny: 4 heads of 16
     q, kv = (32 // cp) * 4 * 16, (32 // cp) * 4 * 16  # b·(s/cp)·heads·hd, and as much for each of K and V
-    passes = 4 * 2 * (3 if recompute != "none" else 2)  # layers × micro-batches × (fwd, [recomputed fwd], bwd)
+    # layers × micro-batches × (fwd, [recomputed fwd], bwd): selective recomputes inside the all-to-alls
+    passes = 4 * 2 * (3 if recompute == "full" else 2)
     got = cp_columns(cfg_of(model="tiny", backend="deepspeed", cp=cp, dtype="fp32", recompute=recompute))
     payload = passes * (2 * q + 2 * kv) * 4
     assert got == {"comm_bytes_cp": payload, "comm_cp_all_to_all_bytes": payload, "comm_cp_all_to_all_ops": 4 * passes,

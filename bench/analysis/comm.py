@@ -85,9 +85,11 @@ class Traffic:
 
 def _bytes_per_param(cfg, mixed_state: str) -> tuple[int, int]:
     """(gradient reduction, parameter all-gather) element bytes for the backend."""
-    prec, fixed = precision(cfg.dtype, mixed_state), engine(cfg).mixed_comm_bytes
-    if fixed and cfg.dtype != "fp32":  # e.g. FSDP2's MixedPrecisionPolicy: bf16 gathers, fp32 reduce
-        return fixed
+    prec, eng = precision(cfg.dtype, mixed_state), engine(cfg)
+    if eng.mixed_comm_bytes and cfg.dtype != "fp32":  # e.g. FSDP2's MixedPrecisionPolicy: bf16 gathers, fp32 reduce
+        return eng.mixed_comm_bytes
+    if cfg.cp > 1 and eng.cp_grad_comm_bytes:
+        return eng.cp_grad_comm_bytes, prec.param_comm
     return prec.grad_comm, prec.param_comm
 
 
@@ -158,8 +160,8 @@ def pp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
 
 def cp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     """Context parallel's attention core, per layer and micro-batch (module docstring): the ring's
-    passes of K/V (and dK/dV) or Ulysses' all-to-alls. Recomputation that re-runs the core (selective,
-    full) runs its forward traffic again in backward."""
+    passes of K/V (and dK/dV) or Ulysses' all-to-alls. Recomputation that re-runs the core (full; selective
+    where the engine recomputes around its cp traffic) runs its forward traffic again in backward."""
     cfg = plan.cfg
     c = cfg.cp
     if c == 1:
@@ -168,7 +170,8 @@ def cp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     tokens, t = rank_tokens(cfg), cfg.tp
     kv = 2 * tokens * (m.num_kv_heads // t) * m.head_dim  # KV_r: this rank's K and V elements
     passes = plan.ranks[stage].layers * cfg.micro_batches
-    rerun = passes if cfg.recompute in ("selective", "full") else 0
+    reruns = cfg.recompute == "full" or (cfg.recompute == "selective" and engine(cfg).selective_reruns_cp)
+    rerun = passes if reruns else 0
     if cfg.cp_comm == "ulysses":  # one all-to-all per q, k, v and the output, each way
         q = tokens * (m.heads // t) * m.head_dim
         out = []

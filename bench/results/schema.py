@@ -285,7 +285,6 @@ DECLARED: list[Column | Family] = [
     Column("dp_buckets", "float", "native: gradient buckets of the data-parallel all-reduce", Kind.CONFIG,
            ranks="mean", always=False),
     Column("tp_impl", "str", "what implements tensor parallelism", Kind.CONFIG, ranks="rank0", always=False),
-    Column("cp_impl", "str", "what implements context parallelism", Kind.CONFIG, ranks="rank0", always=False),
     Column("pp_impl", "str", "what implements pipeline parallelism", Kind.CONFIG, ranks="rank0", always=False),
     Column("cp_impl", "str", "what implements context parallelism (its attention over the sequence)", Kind.CONFIG,
            ranks="rank0", always=False),
