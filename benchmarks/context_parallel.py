@@ -21,7 +21,9 @@ from bench.spawn import RankPool
 
 
 def configs(args, seq: int, world: int) -> dict[str, RunConfig]:
-    common = dict(model=args.model, seq=seq, micro_batch=1, steps=args.steps, warmup=args.warmup)
+    # the model's position table covers the sequence (small's own is 128 tokens)
+    common = dict(model=args.model, model_overrides=(f"seq_len={seq}",), seq=seq, micro_batch=1, steps=args.steps,
+                  warmup=args.warmup)
     out = {"cp 1": RunConfig(backend="native", **common)}
     out[f"ring cp {world}"] = RunConfig(backend="native", cp=world, **common)
     out[f"ulysses cp {world}"] = RunConfig(backend="deepspeed", cp=world, **common)
