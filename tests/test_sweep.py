@@ -354,7 +354,7 @@ grid:
   seed: [0, 1, 2, 3, 4]
 """)
     out = tmp_path / "out"
-    cmd = [BENCH, "sweep", str(sweep), "--out", str(out), "--no-progress"]
+    cmd = [BENCH, "sweep", str(sweep), "--out", str(out), "--no-progress", "--no-calibrate"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     runs = out / "runs"
     deadline = time.monotonic() + 120

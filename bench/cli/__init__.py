@@ -22,17 +22,22 @@ def app():
 @click.option("--json", "as_json", is_flag=True, help="print the result row as one JSON object")
 @click.option("--trace-dir", default="traces", show_default=True, type=click.Path(file_okay=False),
               help="with --profile: the traces go to TRACE_DIR/<run_id>/")
-def run(launcher, as_json, trace_dir, **options):
+@click.option("--no-calibrate", is_flag=True,
+              help="do not measure this machine first: predict on a profile measured here before, else the built-in")
+def run(launcher, as_json, trace_dir, no_calibrate, **options):
     """Run one benchmark configuration and print its result row."""
     cfg = config_from_options(options)
     from bench.sweep.local import DebugLauncher, run_debug, run_local
-    from bench.sweep.runner import local_size_reason
+    from bench.sweep.runner import calibrate_here, local_size_reason
     reason = local_size_reason(cfg.world, cfg.device) if launcher == "local" else DebugLauncher().unsupported(cfg)
     if reason:  # before anything starts
         raise ConfigError(reason)
     if cfg.profile:
         from bench.metrics.profile import check_writable
         check_writable(trace_dir)  # refused in one line before any rank starts
+    note = None if no_calibrate else calibrate_here([cfg], launcher)
+    if note:
+        click.echo(note, err=True)
     click.echo(f"running {cfg.backend} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} ({cfg.world} ranks) "
                f"run_id={cfg.run_id}", err=True)
     row = (run_debug if launcher == "debug" else run_local)(cfg, trace_dir if cfg.profile else None)
@@ -118,9 +123,10 @@ def _save_traceback() -> str:
     import tempfile
     import time
     import traceback
+
+    from bench.environment import cache_dir
     text = traceback.format_exc()
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    for folder in (os.path.join(cache, "parabench", "tracebacks"), tempfile.gettempdir()):
+    for folder in (str(cache_dir() / "tracebacks"), tempfile.gettempdir()):
         try:
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt")

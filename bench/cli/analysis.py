@@ -133,7 +133,7 @@ def _print_estimate(est: dict) -> None:
         click.echo(f"  {dim}: {_gib(payload):>14} / {_gib(wire):>14}")
     click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")
     if "step_time_s" in est:
-        click.echo(f"on {est['hardware']} ({'calibrated' if est['calibrated'] else 'datasheet'}; links tp "
+        click.echo(f"on {est['profile']} (links tp "
                    f"{est['links']['tp']}, pp {est['links']['pp']}, dp {est['links']['dp']}): step "
                    f"{est['step_time_s']:.4g} s = compute {est['compute_s']:.4g} + overhead {est['overhead_s']:.4g} "
                    f"+ exposed comm tp {est['comm_exposed_tp_s']:.4g} pp {est['comm_exposed_pp_s']:.4g} "

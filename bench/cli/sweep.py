@@ -23,8 +23,10 @@ COMMANDS: list[click.Command] = []
 @click.option("--no-report", is_flag=True, help="skip the report even if the sweep file asks for one")
 @click.option("--fail-on-failure", is_flag=True,
               help="exit 1 when OUT holds a failed, oom, timeout or cancelled row (default: exit 0, they are results)")
+@click.option("--no-calibrate", is_flag=True,
+              help="do not measure this machine first: predict on a profile measured here before, else the built-in")
 def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, max_parallel, no_progress,
-          no_report, fail_on_failure):
+          no_report, fail_on_failure, no_calibrate):
     """Run every configuration of a sweep FILE; one row per run in OUT/runs/, all rows in OUT/results.parquet.
 
     A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled, and the sweep
@@ -37,7 +39,8 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     if profile and (launcher or spec.launcher.kind) != "slurm":
         raise click.UsageError("--profile applies to the slurm launcher; add --launcher slurm")
     out = Path(out or Path("results") / spec.name)
-    prepared = prepare(spec, out, launcher, profile, exclusive, max_parallel, predict=dry_run)  # every error first
+    prepared = prepare(spec, out, launcher, profile, exclusive, max_parallel, predict=dry_run,
+                       calibrate=not (no_calibrate or dry_run))  # every error first
     from bench.sweep.prune import warn
     warn(prepared.exp.warnings)
     console = Console(highlight=False, width=max(Console().width, 140))

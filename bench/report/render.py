@@ -29,7 +29,7 @@ CAPTIONS = {
     "predicted_time": "Per config (mean over repeats), the measured median step time beside the time model's "
                       "prediction split into its terms (bench/analysis/time_model.py) and the error "
                       "predicted / measured − 1; right: the errors' distribution. The profile is named in the "
-                      "title: calibrated (`bench calibrate`) or datasheet.",
+                      "title: calibrated on this machine (by the sweep itself, or `bench calibrate`) or built-in.",
 }
 
 

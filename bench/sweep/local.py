@@ -42,11 +42,7 @@ class LocalLauncher(Launcher):
         runs = sorted(runs, key=lambda c: (c.repeat, c.world) if interleaved else (c.world,))  # stable
         left = {w: sum(c.world == w for c in runs) for w in {c.world for c in runs}}
         for cfg in runs:
-            if cfg.world not in self.pools:
-                if self.log:
-                    self.log.parent.mkdir(parents=True, exist_ok=True)
-                self.pools[cfg.world] = RankPool(cfg.world, log=self.log)
-            pool = self.pools[cfg.world]
+            pool = self.pool(cfg.world)
             started(cfg)
             t0 = time.monotonic()
             row = pool.run(cfg, trace_dir(self.traces, cfg))
@@ -54,6 +50,15 @@ class LocalLauncher(Launcher):
             left[cfg.world] -= 1
             if not left[cfg.world]:
                 self.pools.pop(cfg.world).close()
+
+    def pool(self, world: int) -> RankPool:
+        """The warm ranks of this world size (started on their first call), which the sweep's calibration
+        also measures on."""
+        if world not in self.pools:
+            if self.log:
+                self.log.parent.mkdir(parents=True, exist_ok=True)
+            self.pools[world] = RankPool(world, log=self.log)
+        return self.pools[world]
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -54,11 +54,12 @@ class SweepOutcome:
     """Runs not launched because a previous invocation stored them."""
 
 
-def plan(spec: SweepSpec, launch: Launcher, predict: bool = False) -> Expansion:
+def plan(spec: SweepSpec, launch: Launcher, predict: bool = False, calibrate: bool = False) -> Expansion:
     """Expand the sweep; runs the launcher cannot place become skipped rows too, and so do the runs the
     file's `prune:` rules out (every run is then predicted; `predict` predicts them for a dry run without
-    rules). Raises SweepError when nothing at all can run (an impossible layout, say): that is a
-    mistake in the file, not a result."""
+    rules). `calibrate`: a pruned sweep measures this machine first when its runs need a profile it has
+    not (`calibrate_here`); any other sweep does so in `run_sweep`, after its checks. Raises SweepError
+    when nothing at all can run (an impossible layout, say): that is a mistake in the file, not a result."""
     exp = expand(spec)
     if launch.kind == "local":
         _check_local_size(spec, exp)
@@ -74,10 +75,25 @@ def plan(spec: SweepSpec, launch: Launcher, predict: bool = False) -> Expansion:
         first = exp.skipped[0]
         raise SweepError(spec.source, "grid", f"no runnable combination: all {len(exp.skipped)} expanded run(s) "
                                               f"are invalid, e.g. {describe(first)}: {first['error']}")
+    if calibrate and spec.prune:
+        exp.profile_note = calibrate_here(exp.runs, launch.kind, getattr(launch, "pool", None)) or ""
     if spec.prune or predict:
         from bench.sweep.prune import prune
         exp.warnings += prune(spec, exp, launch)
     return exp
+
+
+def calibrate_here(runs: list[RunConfig], launcher: str, pool_of=None) -> str | None:
+    """Before runs that land on this CPU machine (the local and debug launchers, no GPU here): make sure a
+    profile measured here covers their world sizes (bench.calibrate.for_this_machine: cached, or the quick
+    calibration now, on `pool_of(world)`'s warm ranks when given: the local launcher's own). Returns the line to print, None when nothing applies (Slurm tasks run elsewhere; a
+    GPU's runs are predicted on its datasheet profile)."""
+    from bench import device as bench_device
+    worlds = tuple(sorted({c.world for c in runs if c.device in ("cpu", "auto")}))
+    if launcher not in ("local", "debug") or not worlds or bench_device.accelerator() is not None:
+        return None
+    from bench.calibrate import for_this_machine
+    return for_this_machine(worlds, pool_of)[1]
 
 
 def local_rank_limit() -> int:
@@ -128,14 +144,17 @@ class PreparedSweep:
     out: Path
     launch: Launcher
     exp: Expansion
+    calibrate: bool = False
+    """Measure this machine before launching when its runs need a profile it has not (`calibrate_here`)."""
 
 
 def prepare(spec: SweepSpec, out: str | Path, launcher: str | None = None, profile: str | None = None,
-            exclusive: bool = False, max_parallel: int | None = None, predict: bool = False) -> PreparedSweep:
+            exclusive: bool = False, max_parallel: int | None = None, predict: bool = False,
+            calibrate: bool = False) -> PreparedSweep:
     """Choose the launcher and expand the sweep (`plan`): every error of the inputs is raised here."""
     out = Path(out)
     launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
-    return PreparedSweep(spec, out, launch, plan(spec, launch, predict))
+    return PreparedSweep(spec, out, launch, plan(spec, launch, predict, calibrate), calibrate)
 
 
 def run_sweep(sweep: PreparedSweep, resume: bool = False, retry_failed: bool = False,
@@ -177,6 +196,10 @@ def run_sweep(sweep: PreparedSweep, resume: bool = False, retry_failed: bool = F
         else:
             todo.append(cfg)
 
+    note = exp.profile_note if exp.profile_note is not None else (
+        calibrate_here(todo, launch.kind, getattr(launch, "pool", None)) if sweep.calibrate else None)
+    if note:
+        print(note, file=sys.stderr)
     bar = SweepProgress(len(todo), outcome.counts, enabled=progress)
     if outcome.resumed:
         bar.log(f"resume: {outcome.resumed} run(s) already stored in {out}/runs, not launched")
@@ -298,7 +321,7 @@ def dry_run_table(spec: SweepSpec, exp: Expansion, launch: Launcher | None = Non
     kind = launch.kind if launch is not None else spec.launcher.kind
     counts = (f"{len(exp.runs)} run(s) to launch, {len(exp.skipped)} skipped ({len(exp.pruned)} pruned), "
               f"{exp.excluded} excluded, {exp.duplicates} duplicate(s); world sizes {worlds or '-'}; launcher {kind}")
-    profiles = sorted({p.hardware for p in exp.predictions.values() if p.hardware})
+    profiles = sorted({p.profile for p in exp.predictions.values() if p.profile})
     if profiles:
         counts += f"; predicted on {', '.join(profiles)}"
     if kind == "slurm":
