@@ -74,10 +74,16 @@ def _make_figure(df: pd.DataFrame, name: str, out: Path) -> dict:
 def _tables(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str]]:
     """(title, table, note) in page order; the note explains the table, or its absence."""
     parity, parity_note = _safe(tables.loss_parity, df, default=(pd.DataFrame(), None))
-    fails, top, env = (_safe(make, df) for make in (tables.failures, tables.top_configs, tables.environment))
+    fails, top, env, slow = (_safe(make, df) for make in (tables.failures, tables.top_configs, tables.environment,
+                                                            tables.stragglers))
+    from bench.report.compare import STRAGGLER_SPREAD
     return [
         ("Top configs by throughput", top, "No successful run with a step time: nothing to rank." if top.empty else
          "Mean over repeats; ± is half the min–max spread of the repeats."),
+        ("Stragglers: median step per rank (ms)", slow,
+         f"No run has a rank slower than {STRAGGLER_SPREAD:g}× its median rank." if slow.empty else
+         f"Runs whose slowest rank's median step exceeds {STRAGGLER_SPREAD:g}× the median rank's "
+         "(step_time_spread); on CPU each timed step starts at a barrier, so a rank's time is its own work."),
         ("Loss parity against the single-process reference", parity, parity_note),
         ("Failed and skipped runs", fails, "Every run succeeded." if fails.empty else
          f"{len(fails)} run(s) produced no measurement; the reason is the last line of their error."),

@@ -146,6 +146,26 @@ def _losses(row) -> list[float]:
         return [row["loss_first"], row["loss_last"]]
 
 
+def stragglers(df: pd.DataFrame) -> pd.DataFrame:
+    """Per rank, the median step of every run whose slowest rank's exceeds the median rank's by more than
+    STRAGGLER_SPREAD (bench/report/compare.py); the slowest rank is marked."""
+    from bench.report.compare import STRAGGLER_SPREAD
+    if "step_time_spread" not in df:
+        return pd.DataFrame()
+    slow = df[(df["status"] == Status.OK) & (pd.to_numeric(df["step_time_spread"], errors="coerce") > STRAGGLER_SPREAD)]
+    if slow.empty:
+        return pd.DataFrame()
+    slow = add_labels(slow)
+    rows = []
+    for _, run in slow.iterrows():
+        per_rank = json.loads(run["step_time_s_per_rank"])
+        cells = {f"rank {r}": f"{t * 1e3:.1f}" + (" ◀ slowest" if r == int(run["slowest_rank"]) else "")
+                 for r, t in enumerate(per_rank)}
+        rows.append({"config": run["label"], "run_id": run["run_id"], "spread": f"{run['step_time_spread']:.2f}×",
+                     "straggler": f"rank {int(run['slowest_rank'])}", **cells})
+    return pd.DataFrame(rows).fillna("")
+
+
 def failures(df: pd.DataFrame) -> pd.DataFrame:
     bad = df[df["status"] != Status.OK]
     if bad.empty:

@@ -6,6 +6,7 @@ also reruns the failed, oom, timeout and cancelled ones.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import time
@@ -273,7 +274,7 @@ class SweepProgress:
         status = row["status"]
         colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(status, "red")
         from rich.markup import escape
-        note = "" if status == Status.OK else "  " + escape(_first_line(row.get("error")))
+        note = "" if status == Status.OK else "  " + escape(first_clause(row.get("error")))
         wall = row.get("wall_s")
         self.log(f"[{self.done}/{self.total}] [{colour}]{status:9}[/] {describe(cfg)}"
                  + (f"  ({wall:.1f} s)" if wall is not None else "") + note)
@@ -284,12 +285,16 @@ class SweepProgress:
             self._progress.update(self._task, advance=advance, description=self._text())
 
 
-def _first_line(text) -> str:
+def first_clause(text, width: int = 80) -> str:
+    """A row's reason as the terminal shows it, on one line: the line that says it (a failing rank's
+    traceback: its last), up to its first clause (before `;`, `, ` or ` (`), at most `width` characters.
+    The whole text stays in the row and the report."""
     if not text:
         return ""
-    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
     line = lines[-1] if lines and lines[0].startswith("rank ") and len(lines) > 1 else (lines[0] if lines else "")
-    return line[:110]
+    clause = re.split(r";|, | \(", line, maxsplit=1)[0].strip()
+    return clause if len(clause) <= width else clause[:width - 1] + "…"
 
 
 # --- tables -----------------------------------------------------------------------------------------------
@@ -351,7 +356,7 @@ def summary_table(rows: list[dict], title: str):
     columns = _varying(rows)
     table = Table(title=title)
     for name in (*columns, "status", "step ms", "tokens/s", "MFU", "peak MiB", "note"):
-        table.add_column(name, overflow="fold", max_width=60 if name == "note" else None)
+        table.add_column(name, no_wrap=True, overflow="ellipsis")  # one line per run
     order = {s: i for i, s in enumerate(Status)}
     for row in sorted(rows, key=lambda r: (order.get(r["status"], 9), str(r.get("backend")), r.get("world_size") or 0,
                                            str(r.get("tp")), str(r.get("pp")))):
@@ -362,7 +367,7 @@ def summary_table(rows: list[dict], title: str):
                       f"{row['tokens_per_s']:.0f}" if ok else "",
                       f"{row['mfu']:.2%}" if ok else "",
                       f"{row['peak_mem_bytes'] / 2**20:.1f}" if ok else "",
-                      "" if ok else escape(_first_line(row.get("error"))))
+                      "" if ok else escape(first_clause(row.get("error"))))
     return table
 
 
