@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from bench.config import RunConfig
-from bench.results import Status
+from bench.results import Status, skipped_row
 from bench.sweep.spec import SweepError, expand, load_sweep, parse_sweep
 from bench.results.store import SCHEMA_VERSION, load_results
 
@@ -448,3 +448,22 @@ launcher: debug
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_the_summary_is_one_line_per_run():
+    """Each row's reason is cut to its first clause in the terminal; the row keeps the whole text."""
+    from rich.console import Console
+
+    from bench.sweep.runner import first_clause, summary_table
+    reason = ("backend deepspeed: zero=3 is incompatible with pipeline parallel (pp=2); DeepSpeed's pipeline "
+              "engine supports zero 0 and 1")
+    rows = [skipped_row(RunConfig(model="tiny", backend="deepspeed", zero=3, dp=1, seed=s), reason) for s in range(3)]
+    console = Console(record=True, width=140)
+    console.print(summary_table(rows, "t"))
+    lines = [ln for ln in console.export_text().splitlines() if "skipped" in ln]
+    assert len(lines) == 3 and all("zero=3 is incompatible" in ln and "DeepSpeed's" not in ln for ln in lines)
+    assert first_clause(reason) == "backend deepspeed: zero=3 is incompatible with pipeline parallel"
+    assert first_clause("rank 1 failed:\nTraceback …\nRuntimeError: injected fault (fault=raise)") == \
+        "RuntimeError: injected fault"
+    assert first_clause("x" * 200).endswith("…") and len(first_clause("x" * 200)) == 80
+    assert rows[0]["error"] == reason

@@ -351,23 +351,33 @@ def _predicted(p) -> tuple[str, str, str]:
 
 
 def summary_table(rows: list[dict], title: str):
+    """One line per run: every column as wide as its widest cell, the note (a reason's first clause) gets
+    what is left and ends in … where that is too little."""
     from rich.markup import escape
     from rich.table import Table
     columns = _varying(rows)
-    table = Table(title=title)
-    for name in (*columns, "status", "step ms", "tokens/s", "MFU", "peak MiB", "note"):
-        table.add_column(name, no_wrap=True, overflow="ellipsis")  # one line per run
     order = {s: i for i, s in enumerate(Status)}
+    cells = []
     for row in sorted(rows, key=lambda r: (order.get(r["status"], 9), str(r.get("backend")), r.get("world_size") or 0,
                                            str(r.get("tp")), str(r.get("pp")))):
         ok = row["status"] == Status.OK
-        colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(row["status"], "red")
-        table.add_row(*(_cell(row.get(c)) for c in columns), f"[{colour}]{row['status']}[/]",
+        cells.append([*(_cell(row.get(c)) for c in columns), row["status"],
                       f"{row['step_time_s'] * 1e3:.1f}" if ok else "",
                       f"{row['tokens_per_s']:.0f}" if ok else "",
                       f"{row['mfu']:.2%}" if ok else "",
                       f"{row['peak_mem_bytes'] / 2**20:.1f}" if ok else "",
-                      "" if ok else escape(first_clause(row.get("error"))))
+                      "" if ok else escape(first_clause(row.get("error")))])
+    names = (*columns, "status", "step ms", "tokens/s", "MFU", "peak MiB", "note")
+    table = Table(title=title)
+    for i, name in enumerate(names):
+        widest = max([len(name)] + [len(c[i]) for c in cells])
+        note = name == "note"
+        table.add_column(name, no_wrap=True, overflow="ellipsis", min_width=None if note else widest,
+                         ratio=1 if note else None)
+    for c in cells:
+        colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(c[len(columns)], "red")
+        c[len(columns)] = f"[{colour}]{c[len(columns)]}[/]"
+        table.add_row(*c)
     return table
 
 
