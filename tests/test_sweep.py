@@ -458,8 +458,9 @@ def test_the_summary_is_one_line_per_run():
     reason = ("backend deepspeed: zero=3 is incompatible with pipeline parallel (pp=2); DeepSpeed's pipeline "
               "engine supports zero 0 and 1")
     rows = [skipped_row(RunConfig(model="tiny", backend="deepspeed", zero=3, dp=1, seed=s), reason) for s in range(3)]
-    console = Console(record=True, width=140)
-    console.print(summary_table(rows, "t"))
+    table = summary_table(rows, "t", 100)
+    console = Console(record=True, width=table.width)
+    console.print(table)
     lines = [ln for ln in console.export_text().splitlines() if "skipped" in ln]
     assert len(lines) == 3 and all("zero=3 is incompatible" in ln and "DeepSpeed's" not in ln for ln in lines)
     assert first_clause(reason) == "backend deepspeed: zero=3 is incompatible with pipeline parallel"

@@ -53,7 +53,9 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     from bench.results.store import load_results
     df = load_results(out)
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
-    console.print(summary_table(rows, f"sweep {spec.name}: {len(rows)} row(s) in {out}"))
+    table = summary_table(rows, f"sweep {spec.name}: {len(rows)} row(s) in {out}", console.width)
+    console.width = max(console.width, table.width)  # one line per run, wider than the terminal if need be
+    console.print(table)
     console.print(f"this invocation: {print_counts(result.counts)}"
                   + (f" · {result.resumed} resumed" if result.resumed else "")
                   + f"   wall {result.wall_s:.1f} s   → {out}/results.parquet")
@@ -93,7 +95,9 @@ def results(path, quiet, overhead):
     console = Console(highlight=False, width=max(Console().width, 140))
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
     if not quiet:
-        console.print(summary_table(rows, f"{path}: {len(rows)} row(s)"))
+        table = summary_table(rows, f"{path}: {len(rows)} row(s)", console.width)
+        console.width = max(console.width, table.width)
+        console.print(table)
     if overhead:
         from bench.sweep.runner import launch_overhead
         console.print("launch overhead: wall time per run, launch → row (s); work_s = the run's own steps")

@@ -350,9 +350,10 @@ def _predicted(p) -> tuple[str, str, str]:
             f"{p.peak_bytes / 2**20:,.1f}" if p.peak_bytes is not None else "-")
 
 
-def summary_table(rows: list[dict], title: str):
-    """One line per run: every column as wide as its widest cell, the note (a reason's first clause) gets
-    what is left and ends in … where that is too little."""
+def summary_table(rows: list[dict], title: str, width: int = 140):
+    """One line per run: every column as wide as its widest cell, the note (a reason's first clause) what is
+    left of `width`, but no less than 60 characters (ending in … where its clause is longer); print it at
+    its own width (`table.width`)."""
     from rich.markup import escape
     from rich.table import Table
     columns = _varying(rows)
@@ -368,12 +369,11 @@ def summary_table(rows: list[dict], title: str):
                       f"{row['peak_mem_bytes'] / 2**20:.1f}" if ok else "",
                       "" if ok else escape(first_clause(row.get("error")))])
     names = (*columns, "status", "step ms", "tokens/s", "MFU", "peak MiB", "note")
-    table = Table(title=title)
-    for i, name in enumerate(names):
-        widest = max([len(name)] + [len(c[i]) for c in cells])
-        note = name == "note"
-        table.add_column(name, no_wrap=True, overflow="ellipsis", min_width=None if note else widest,
-                         ratio=1 if note else None)
+    widths = [max([len(name)] + [len(c[i]) for c in cells]) for i, name in enumerate(names)]
+    widths[-1] = min(widths[-1], max(60, width - sum(widths[:-1]) - 3 * len(names) - 1))  # padding, border: 3
+    table = Table(title=title, width=sum(widths) + 3 * len(names) + 1)
+    for name, w in zip(names, widths):
+        table.add_column(name, no_wrap=True, overflow="ellipsis", width=w)
     for c in cells:
         colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(c[len(columns)], "red")
         c[len(columns)] = f"[{colour}]{c[len(columns)]}[/]"
