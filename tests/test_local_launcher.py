@@ -50,3 +50,12 @@ def test_hung_rank_times_out_and_pool_recovers(pools):
     row = pools(2).run(RunConfig(dp=2, steps=2, fault="hang", timeout_s=8))
     assert row["status"] == "timeout" and "timeout_s=8" in row["error"]
     assert pools(2).run(RunConfig(dp=2, steps=2))["status"] == "ok"
+
+
+def test_an_explicit_hardware_predicts_the_row_on_it(tmp_path):
+    """`--hardware`: the row is predicted on the named profile (nothing calibrated), and says so."""
+    from bench.analysis.hardware import get_hardware
+    from bench.sweep.local import run_debug
+    row = run_debug(RunConfig(model="tiny", steps=1, warmup=0), None, get_hardware("h100-sxm"))
+    assert row["status"] == "ok" and row["pred_hardware"] == "h100-sxm" and row["pred_profile"] == "built-in h100-sxm"
+    assert run_debug(RunConfig(model="tiny", steps=1, warmup=0))["pred_profile"] == "built-in cpu"  # the tests' empty cache

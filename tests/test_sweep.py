@@ -163,7 +163,7 @@ def test_prune_fit_uses_the_named_profile_memory(tmp_path):
     peak = exp.predictions[pruned["run_id"]].peak_bytes
     assert peak > 6 * 2**20 > exp.predictions[kept.run_id].peak_bytes
     assert pruned["error"] == (f"pruned: predicted peak memory {peak / 2**20:,.1f} MiB per rank exceeds the 6.0 MiB "
-                               "a rank has on small-gpu (datasheet) (one device's 6.0 MiB); prune.fit = true")
+                               "a rank has on small-gpu (one device's 6.0 MiB); prune.fit = true")
     # 6 MiB sits 1.41× below that peak: a fit rule 1.4× too lax would still prune it. At the edge the rule is
     # exact: a rank with one byte less than the peak is pruned, one with exactly the peak keeps its run.
     for memory, fits in ((peak - 1, False), (peak, True)):

@@ -24,7 +24,8 @@ def app():
               help="with --profile: the traces go to TRACE_DIR/<run_id>/")
 @click.option("--no-calibrate", is_flag=True,
               help="do not measure this machine first: predict on a profile measured here before, else the built-in")
-def run(launcher, as_json, trace_dir, no_calibrate, **options):
+@click.option("--hardware", default=None, help="predict the row on this profile (name or YAML file); nothing is calibrated")
+def run(launcher, as_json, trace_dir, no_calibrate, hardware, **options):
     """Run one benchmark configuration and print its result row."""
     cfg = config_from_options(options)
     from bench.sweep.local import DebugLauncher, run_debug, run_local
@@ -35,12 +36,14 @@ def run(launcher, as_json, trace_dir, no_calibrate, **options):
     if cfg.profile:
         from bench.metrics.profile import check_writable
         check_writable(trace_dir)  # refused in one line before any rank starts
-    note = None if no_calibrate else calibrate_here([cfg], launcher)
+    from bench.analysis.hardware import get_hardware
+    hw = get_hardware(hardware) if hardware else None  # a bad name or file: one line, before anything starts
+    note = None if no_calibrate or hw else calibrate_here([cfg], launcher)
     if note:
         click.echo(note, err=True)
     click.echo(f"running {cfg.backend} tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} ({cfg.world} ranks) "
                f"run_id={cfg.run_id}", err=True)
-    row = (run_debug if launcher == "debug" else run_local)(cfg, trace_dir if cfg.profile else None)
+    row = (run_debug if launcher == "debug" else run_local)(cfg, trace_dir if cfg.profile else None, hw)
     if as_json:
         echo_json(row)
     else:

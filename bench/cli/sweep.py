@@ -25,8 +25,10 @@ COMMANDS: list[click.Command] = []
               help="exit 1 when OUT holds a failed, oom, timeout or cancelled row (default: exit 0, they are results)")
 @click.option("--no-calibrate", is_flag=True,
               help="do not measure this machine first: predict on a profile measured here before, else the built-in")
+@click.option("--hardware", default=None, help="predict every run on this profile (name or YAML file; local and "
+                                               "debug launchers); nothing is calibrated")
 def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, max_parallel, no_progress,
-          no_report, fail_on_failure, no_calibrate):
+          no_report, fail_on_failure, no_calibrate, hardware):
     """Run every configuration of a sweep FILE; one row per run in OUT/runs/, all rows in OUT/results.parquet.
 
     A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled, and the sweep
@@ -39,8 +41,9 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     if profile and (launcher or spec.launcher.kind) != "slurm":
         raise click.UsageError("--profile applies to the slurm launcher; add --launcher slurm")
     out = Path(out or Path("results") / spec.name)
+    from bench.analysis.hardware import get_hardware
     prepared = prepare(spec, out, launcher, profile, exclusive, max_parallel, predict=dry_run,
-                       calibrate=not (no_calibrate or dry_run))  # every error first
+                       calibrate=not (no_calibrate or dry_run), hardware=hardware and get_hardware(hardware))  # every error first
     from bench.sweep.prune import warn
     warn(prepared.exp.warnings)
     console = Console(highlight=False, width=max(Console().width, 140))

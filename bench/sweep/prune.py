@@ -112,7 +112,8 @@ def prune(spec, exp, launch) -> list[str]:
     """Move the runs `spec.prune` rules out into `exp.skipped` (their ids into `exp.pruned`); every run's
     prediction lands in `exp.predictions`. Returns warning lines (nothing could be pruned, and why)."""
     rules = spec.prune
-    preds, warnings = predict_runs(exp.runs, rules.hardware if rules else None, launch)
+    named = (rules.hardware if rules else None) or getattr(launch, "hardware", None)  # the file's, else --hardware
+    preds, warnings = predict_runs(exp.runs, named, launch)
     exp.predictions.update(preds)
     if rules is None:
         return []

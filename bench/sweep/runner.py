@@ -21,13 +21,17 @@ from bench.results.store import ResultStore
 
 
 def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: str | None = None,
-                  exclusive: bool = False, max_parallel: int | None = None) -> Launcher:
+                  exclusive: bool = False, max_parallel: int | None = None, hardware=None) -> Launcher:
+    """`hardware`: the profile the local and debug launchers' rows are predicted on (`--hardware`)."""
     kind = kind or spec.launcher.kind
     if kind in ("local", "debug"):
         from bench.sweep.local import DebugLauncher, LocalLauncher
         traces = out / "runs"  # a profiled run's traces: OUT/runs/<run_id>/ beside its row OUT/runs/<run_id>.json
-        return (LocalLauncher(log=out / "ranks.log", repeat_order=spec.repeat_order, traces=traces)
-                if kind == "local" else DebugLauncher(traces=traces))
+        return (LocalLauncher(log=out / "ranks.log", repeat_order=spec.repeat_order, traces=traces, hardware=hardware)
+                if kind == "local" else DebugLauncher(traces=traces, hardware=hardware))
+    if hardware is not None:
+        raise ValueError("--hardware applies to the local and debug launchers: a Slurm task predicts its row on "
+                         "its own host's profile (name one for pruning with `prune: {hardware: NAME}`)")
     from bench.sweep.slurm import SlurmLauncher, load_profile
     options = spec.launcher.options if spec.launcher.kind == "slurm" else {}
     prof = load_profile(profile or spec.launcher.profile or "local", options, source=spec.source,
@@ -151,10 +155,12 @@ class PreparedSweep:
 
 def prepare(spec: SweepSpec, out: str | Path, launcher: str | None = None, profile: str | None = None,
             exclusive: bool = False, max_parallel: int | None = None, predict: bool = False,
-            calibrate: bool = False) -> PreparedSweep:
-    """Choose the launcher and expand the sweep (`plan`): every error of the inputs is raised here."""
+            calibrate: bool = False, hardware=None) -> PreparedSweep:
+    """Choose the launcher and expand the sweep (`plan`): every error of the inputs is raised here.
+    `hardware`: predict every run on this profile (then nothing is calibrated)."""
     out = Path(out)
-    launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
+    launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel, hardware)
+    calibrate = calibrate and hardware is None
     return PreparedSweep(spec, out, launch, plan(spec, launch, predict, calibrate), calibrate)
 
 
