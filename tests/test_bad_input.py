@@ -119,6 +119,9 @@ for file, named in {"ranks_zero": "ranks_per_node", "poll_negative": "poll_s"}.i
     case(f"sweep-profile-{file}", ["sweep", "{d}/ok.yaml", "--launcher", "slurm", "--profile",
                                    f"{{inp}}/profiles/{file}.yaml", "--dry-run"], f"{file}.yaml", named)
 case("sweep-resume-out-holds-rows", ["sweep", "{d}/ok.yaml", "--out", "{d}/good"], "--resume")
+case("sweep-hardware-unknown", ["sweep", "{d}/ok.yaml", "--hardware", "nosuch", "--dry-run"], "nosuch")
+case("sweep-hardware-with-slurm", ["sweep", "{d}/ok.yaml", "--launcher", "slurm", "--hardware", "cpu", "--dry-run"],
+     "--hardware")
 
 # hardware files for estimate and plan
 for file, named in {"memory_negative": "memory_bytes", "peak_nan": "peak_flops.fp32",
