@@ -39,7 +39,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 def plan_sizes(quick: bool, cuda: bool = False) -> dict:
     """What to measure: fewer shapes, sizes and shorter timing windows with --quick; on a GPU the shapes
     and messages of a GPU's work (up to 8192² matmuls, 256 MiB messages, 256 MiB elementwise tensors)."""
-    reps = (12, 6) if quick else (60, 24)  # a collective's calls per timed batch: small messages, ≥ 64 KiB
+    reps = (8, 4) if quick else (60, 24)  # a collective's calls per timed batch: small messages, ≥ 64 KiB
     if cuda:
         return {"matmul": (256, 1024, 4096) if quick else (128, 256, 512, 1024, 2048, 4096, 8192),
                 "window_s": 0.05 if quick else 0.2, "elementwise": 1 << 26, "reps": reps,

@@ -219,7 +219,7 @@ def test_dry_run_shows_every_prediction_and_the_pruned_reason(tmp_path):
                           cwd=ROOT, env={**os.environ, "COLUMNS": "400"})
     assert done.returncode == 0, done.stderr
     assert "pred ms/step" in done.stdout and "pred tokens/s" in done.stdout and "pred peak MiB" in done.stdout
-    assert "1 run(s) to launch, 1 skipped (1 pruned)" in done.stdout and "predicted on cpu" in done.stdout
+    assert "1 run(s) to launch, 1 skipped (1 pruned)" in done.stdout and "predicted on built-in cpu" in done.stdout
     assert "pruned: predicted" in done.stdout and "prune.slower_than_best = 2" in done.stdout
     spec = load_sweep(path)
     from bench.analysis.estimate import predict_row
