@@ -140,6 +140,7 @@ def _html_header(summary: dict) -> str:
         kind = {Status.OK: "ok", Status.SKIPPED: "skip"}.get(status, "bad")
         pills.append(f'<span class="pill {kind}">{n} {html.escape(str(status))}</span>')
     best = f"<p>Fastest: <b>{html.escape(summary['best'])}</b></p>" if summary["best"] else ""
+    best += f"<p>Predictions on {html.escape(summary['profiles'])}</p>" if summary["profiles"] else ""
     sweeps = f" · sweep {html.escape(', '.join(summary['sweeps']))}" if summary["sweeps"] else ""
     nav = "".join(f'<a href="#{k}">{html.escape(t)}</a>' for k, (t, _) in figures.FIGURES.items())
     return (f"<header><h1>parabench report</h1><p>{_runs_of_configs(summary)}{sweeps}"
@@ -188,6 +189,8 @@ def _markdown(summary: dict, panels: list[dict], sections) -> str:
     lines = ["# parabench report", "", f"{_runs_of_configs(summary)} ({counts})."]
     if summary["best"]:
         lines += ["", f"Fastest: **{summary['best']}**"]
+    if summary["profiles"]:
+        lines += ["", f"Predictions on {summary['profiles']}."]
     for p in panels:
         lines += ["", f"## {p['title']}", "", p["caption"], ""]
         lines.append(f"> No figure: {p['empty']}." if p["empty"] else f"![{p['title']}](figures/{p['name']}.png)")

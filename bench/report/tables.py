@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.report.figures import ok_runs, per_config
+from bench.report.figures import ok_runs, per_config, profiles_used
 from bench.report.labels import MiB, add_labels, present
 from bench.report.parity import FP32_REL, SIGNAL_SHARE, loss_tolerance, training_signal
 from bench.results import Status
@@ -25,7 +25,8 @@ def summary(df: pd.DataFrame) -> dict:
         top = per_config(ok, ["tokens_per_s"]).sort_values("tokens_per_s").iloc[-1]
         best = f"{top['label']}: {top['tokens_per_s']:,.0f} tokens/s"
     return {"runs": len(df), "counts": counts, "configs": df["config_id"].nunique(),
-            "best": best, "sweeps": sorted({str(s) for s in df.get("sweep", pd.Series(dtype=object)).dropna()})}
+            "best": best, "sweeps": sorted({str(s) for s in df.get("sweep", pd.Series(dtype=object)).dropna()}),
+            "profiles": profiles_used(ok) if not ok.empty else None}
 
 
 def top_configs(df: pd.DataFrame, n: int = 10) -> pd.DataFrame:
