@@ -99,7 +99,7 @@ def print_table(cfgs, rows) -> list[float]:
         terms = " ".join(f"{row[f'pred_{t}_s'] * 1e3:.1f}" for t in TERMS)
         print(f"{describe(cfg):<44}{row['step_time_s'] * 1e3:>12.1f}{row['spread']:>12}{pred * 1e3:>10.1f}"
               f"{err:>+8.1%}   {terms}")
-    print_spread("|error|", errors, f" (profile: {rows[0].get('pred_hardware')})")
+    print_spread("|error|", errors, f" (profile: {rows[0].get('pred_profile')})")
     return errors
 
 
