@@ -289,7 +289,7 @@ class _FakeCalibrationPool:
             k = args[0]
             return [0.01 * k if rank < k else None for rank in range(self.world)]
         if fn is calibrate.measure_collectives:
-            g, running, sizes, _ = args
+            g, running, sizes = args[:3]
             t = (10 * g + running) * 1e-6
             row = {op: [[4.0 * max(1, b // 4), t * (1 + i)] for i, b in enumerate(sizes)] for op in calibrate.OPS}
             return [row if rank < running else None for rank in range(self.world)]
@@ -355,10 +355,11 @@ def test_interrupted_write_leaves_the_old_profile(tmp_path):
     assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["a.yaml"]
 
 
-def test_a_measured_row_carries_its_predicted_time(pools):
+def test_a_measured_row_carries_its_predicted_time(pools, monkeypatch, tmp_path):
+    monkeypatch.setenv("PARABENCH_PROFILES", str(tmp_path))  # no profile measured here
     row = pools(2).run(RunConfig(model="tiny", dp=2, steps=2, warmup=1))
     assert row["status"] == "ok", row["error"]
-    assert row["pred_profile"] == "built-in cpu" and row["pred_step_time_s"] > 0  # the tests' cache holds no profile
+    assert row["pred_profile"] == "built-in cpu" and row["pred_step_time_s"] > 0
     assert row["pred_step_time_s"] == pytest.approx(sum(row[f"pred_{t}"] for t in TERMS))
     assert row["pred_step_time_error"] == pytest.approx(row["pred_step_time_s"] / row["step_time_s"] - 1)
     assert row["pred_step_time_abs_error"] == pytest.approx(abs(row["pred_step_time_error"]))
