@@ -439,12 +439,17 @@ def for_this_machine(worlds: tuple[int, ...], pool_of=None) -> tuple[Hardware, s
     cached = measured_profile(identity, worlds)
     if cached is not None and covers(cached, worlds):
         return cached, f"predictions on the profile {profile_label(cached)}: cached, 0 s (`bench calibrate` remeasures)"
-    t0, world = time.monotonic(), max(2, *worlds)
-    hw = calibrate(world, quick=True, running=tuple(sorted({w for w in worlds if w >= 2} or {2})),
-                   pool=pool_of(world) if pool_of and world in worlds else None)
+    world = max(2, *worlds)
+    pool, started = pool_of(world) if pool_of and world in worlds else None, ""
+    if pool is not None:  # the runs' own ranks: their start-up is no cost of calibrating
+        t0 = time.monotonic()
+        pool.call(os.getpid)
+        started = f", after {time.monotonic() - t0:.1f} s starting the {world} ranks its runs then use"
+    t0 = time.monotonic()
+    hw = calibrate(world, quick=True, running=tuple(sorted({w for w in worlds if w >= 2} or {2})), pool=pool)
     path = write_profile(hw, profile_dir() / f"auto-{fingerprint(identity)}.yaml")
-    return hw, (f"calibrated this machine in {time.monotonic() - t0:.1f} s ({world} ranks, quick; once per machine "
-                f"and torch version) into {path}: predictions on it")
+    return hw, (f"calibrated this machine in {time.monotonic() - t0:.1f} s ({world} ranks, quick{started}; once per "
+                f"machine and torch version) into {path}: predictions on it")
 
 
 def _cuda_available() -> bool:
