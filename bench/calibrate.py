@@ -19,7 +19,8 @@ call out).
     memory_contention k ranks' time of a memory-bound kernel (operands beyond the caches) / one rank's
 
 The profile is written to a temporary file and renamed into place: an interrupted calibration
-leaves the previous profile (or none), never half of one.
+leaves the previous profile (or none), never half of one. `for_this_machine` is the sweep's own: the
+profile measured on this machine, or the quick calibration, cached under the machine's fingerprint.
 """
 from __future__ import annotations
 

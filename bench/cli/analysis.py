@@ -255,7 +255,7 @@ def validate(path, figure, as_json):
 @click.option("--world", type=positive_int(64), default=2, show_default=True,
               help="ranks to measure collectives and shared cores with")
 @click.option("--out", "out", default=None, help="profile file to write (default: NAME.yaml in the profiles folder, "
-                                                 "$PARABENCH_PROFILES or ~/.cache/parabench/profiles, where "
+                                                 "$PARABENCH_PROFILES or $XDG_CACHE_HOME/parabench/profiles, where "
                                                  "--hardware NAME finds it)")
 @click.option("--name", default=None, help="profile name (default: cpu, or the GPU's profile name)")
 @click.option("--quick", is_flag=True, help="fewer shapes and sizes, shorter windows (< 30 s on a laptop)")
