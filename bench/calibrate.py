@@ -19,13 +19,13 @@ call out).
     memory_contention k ranks' time of a memory-bound kernel (operands beyond the caches) / one rank's
 
 The profile is written to a temporary file and renamed into place: an interrupted calibration
-leaves the previous profile (or none), never half of one.
+leaves the previous profile (or none), never half of one. `for_this_machine` is the sweep's own: the
+profile measured on this machine, or the quick calibration, cached under the machine's fingerprint.
 """
 from __future__ import annotations
 
 import itertools
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -40,12 +40,13 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 def plan_sizes(quick: bool, cuda: bool = False) -> dict:
     """What to measure: fewer shapes, sizes and shorter timing windows with --quick; on a GPU the shapes
     and messages of a GPU's work (up to 8192² matmuls, 256 MiB messages, 256 MiB elementwise tensors)."""
+    reps = (8, 4) if quick else (60, 24)  # a collective's calls per timed batch: small messages, ≥ 64 KiB
     if cuda:
         return {"matmul": (256, 1024, 4096) if quick else (128, 256, 512, 1024, 2048, 4096, 8192),
-                "window_s": 0.05 if quick else 0.2, "elementwise": 1 << 26,
+                "window_s": 0.05 if quick else 0.2, "elementwise": 1 << 26, "reps": reps,
                 "comm_bytes": (4, 1 << 22, 1 << 26) if quick else (4, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28)}
     return {"matmul": (32, 128, 512) if quick else (16, 32, 64, 128, 256, 512, 1024),
-            "window_s": 0.03 if quick else 0.12, "elementwise": 1 << 20,
+            "window_s": 0.03 if quick else 0.12, "elementwise": 1 << 20, "reps": reps,
             "comm_bytes": (4, 1 << 18, 1 << 22) if quick else (4, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 25)}
 
 
@@ -278,17 +279,18 @@ def _on_first(k: int, seconds, window_s: float) -> float | None:
 
 
 # --- collectives (ranks < group) ------------------------------------------------------------------
-def measure_collectives(group: int, ranks: int, sizes: tuple, window_s: float) -> dict | None:
+def measure_collectives(group: int, ranks: int, sizes: tuple, window_s: float, reps: tuple = (60, 24)) -> dict | None:
     """{op: [[payload bytes, seconds], ...]} in groups of `group` among the first `ranks` ranks, every
     group busy at once (as a layout's tp or dp groups run side by side); the other ranks idle, so that a
     run of `ranks` ranks meets the contention it has (on a CPU, ranks beyond the cores slow gloo too)."""
     rank = int(os.environ["RANK"])
     from bench.distributed import rank_session
     with rank_session("auto", timeout_s=120) as dev:
-        return _time_collectives(dev, rank, group, ranks, sizes, window_s)
+        return _time_collectives(dev, rank, group, ranks, sizes, window_s, reps)
 
 
-def _time_collectives(dev, rank: int, group: int, ranks: int, sizes: tuple, window_s: float) -> dict | None:
+def _time_collectives(dev, rank: int, group: int, ranks: int, sizes: tuple, window_s: float,
+                      reps: tuple) -> dict | None:
     import torch
     import torch.distributed as dist
     world = dist.get_world_size()
@@ -306,25 +308,27 @@ def _time_collectives(dev, rank: int, group: int, ranks: int, sizes: tuple, wind
                "all_gather": lambda: dist.all_gather_into_tensor(full, part, group=mine),
                "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=mine),
                "send": lambda: _ping(full, peer, rank) if peer < world else None}
-        reps = 60 if nbytes < 1 << 16 else 24  # a mid-size op varies 2× between batches of 8 on a CPU
+        calls = reps[0] if nbytes < 1 << 16 else reps[1]  # a mid-size op varies 2× between batches of 8 on a CPU
         for op, fn in ops.items():
             dist.barrier()
             if mine is not None:
-                out[op].append([4.0 * n, timing.seconds(fn, reps)])
+                out[op].append([4.0 * n, timing.seconds(fn, calls)])
     return out if mine is not None else None
 
 
-def progress_steps(world: int) -> int:
+def progress_steps(world: int, running: tuple[int, ...] | None = None) -> int:
     """Ticks `calibrate` gives its progress callback: start-up, the single-rank figures, the two
     slowdowns, one per collective shape."""
-    return 4 + len(collective_shapes(world))
+    return 4 + len(collective_shapes(world, running))
 
 
-def collective_shapes(world: int) -> list[tuple[int, int]]:
+def collective_shapes(world: int, running: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
     """(group size, ranks running) pairs to measure: groups of 2, 4, 8 and `world` among 2, 4, 8 and
-    `world` ranks running, wherever the groups tile the running ranks."""
+    `world` ranks running (or only among `running`: the world sizes a sweep runs), wherever the groups
+    tile the running ranks."""
     sizes = sorted({g for g in (2, 4, 8, world) if 2 <= g <= world})
-    return [(g, r) for r in sizes for g in sizes if g <= r and r % g == 0]
+    among = sizes if running is None else sorted({r for r in running if 2 <= r <= world})
+    return [(g, r) for r in among for g in sizes if g <= r and r % g == 0]
 
 
 class _AfterCompute:
@@ -385,26 +389,24 @@ def collective_curve(op: str, points: list) -> list[list[float]]:
 
 # --- the whole calibration ------------------------------------------------------------------------
 def machine() -> dict:
+    """The machine identity the profile holds for (bench.environment.machine_identity) and when it was measured."""
     import torch
-    cpu = platform.processor() or ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {"cpu_model": cpu, "cores": os.cpu_count(), "torch": str(torch.__version__), "hostname": platform.node(),
-            "device": "cpu", "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if torch.cuda.is_available():
-        info["device"] = torch.cuda.get_device_name(0)
-    return info
+    from bench.environment import machine_identity
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {**machine_identity(device), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def calibrate(world: int = 2, quick: bool = False, name: str | None = None, progress=None) -> Hardware:
-    """Measure this machine on `world` ranks; returns the calibrated profile (not yet written)."""
+def calibrate(world: int = 2, quick: bool = False, name: str | None = None, progress=None,
+              running: tuple[int, ...] | None = None, pool=None) -> Hardware:
+    """Measure this machine on `world` ranks (collectives among `running` ranks only, when given); returns the
+    calibrated profile (not yet written). `pool`: warm ranks of that world to measure on (a sweep's own,
+    which then runs its runs), else fresh ones, closed after."""
+    from contextlib import nullcontext
+
     from bench.spawn import RankPool
     sizes = plan_sizes(quick, _cuda_available())
     tick = progress or (lambda what: None)
-    with RankPool(world) as pool:
+    with nullcontext(pool) if pool is not None else RankPool(world) as pool:
         tick(f"starting {world} ranks")
         compute = pool.call(measure_compute, sizes)[0]
         tick("matmul, memory, ops, optimizer")
@@ -413,17 +415,42 @@ def calibrate(world: int = 2, quick: bool = False, name: str | None = None, prog
         contention = slowdowns(pool, world, memory_seconds, sizes["window_s"])
         tick(f"1..{world} ranks sharing the memory")
         colls = {op: {} for op in OPS}
-        for g, ranks in collective_shapes(world):
-            got = pool.call(measure_collectives, g, ranks, sizes["comm_bytes"], sizes["window_s"])
+        for g, ranks in collective_shapes(world, running):
+            got = pool.call(measure_collectives, g, ranks, sizes["comm_bytes"], sizes["window_s"], sizes["reps"])
             times = {op: [[b, max(r[op][i][1] for r in got if r)] for i, (b, _) in enumerate(got[0][op])] for op in OPS}
             for op in OPS:
                 colls[op].setdefault(g, {})[ranks] = collective_curve(op, times[op])
             tick(f"collectives in groups of {g}, {ranks} ranks running")
     info = machine()
-    info.update(quick=quick, world=world, steps=progress_steps(world))
+    info.update(quick=quick, world=world, steps=progress_steps(world, running))
     cal = Calibration(machine=info, collectives=colls, oversubscription=slow, memory_contention=contention,
                       composition=1.0, **compute)
     return profile_from(replace(cal, composition=composition(cal)), name)
+
+
+def for_this_machine(worlds: tuple[int, ...], pool_of=None) -> tuple[Hardware, str]:
+    """This CPU machine's profile for runs of these world sizes: the one measured here that covers them
+    (`measured_profile`), or else the quick calibration, measured now (collectives among those world sizes'
+    ranks; on `pool_of(world)`'s warm ranks when given) and cached in the profiles folder under the
+    machine's fingerprint (redone when the host, CPU, cores or torch change). Returns the profile and one
+    line saying which, and how long it took."""
+    from bench.analysis.hardware import covers, measured_profile, profile_label
+    from bench.environment import fingerprint, machine_identity
+    identity = machine_identity("cpu")
+    cached = measured_profile(identity, worlds)
+    if cached is not None and covers(cached, worlds):
+        return cached, f"predictions on the profile {profile_label(cached)}: cached, 0 s (`bench calibrate` remeasures)"
+    world = max(2, *worlds)
+    pool, started = pool_of(world) if pool_of and world in worlds else None, ""
+    if pool is not None:  # the runs' own ranks: their start-up is no cost of calibrating
+        t0 = time.monotonic()
+        pool.call(os.getpid)
+        started = f", after {time.monotonic() - t0:.1f} s starting the {world} ranks its runs then use"
+    t0 = time.monotonic()
+    hw = calibrate(world, quick=True, running=tuple(sorted({w for w in worlds if w >= 2} or {2})), pool=pool)
+    path = write_profile(hw, profile_dir() / f"auto-{fingerprint(identity)}.yaml")
+    return hw, (f"calibrated this machine in {time.monotonic() - t0:.1f} s ({world} ranks, quick{started}; once per "
+                f"machine and torch version) into {path}: predictions on it")
 
 
 def _cuda_available() -> bool:
@@ -440,6 +467,7 @@ def profile_from(cal: Calibration, name: str | None) -> Hardware:
     if base is None and device != "cpu":  # a GPU measured with the CPU's rules would be nonsense
         raise ValueError(f"calibrate: {device} has no datasheet entry (bench/analysis/hardware.py PROFILES): "
                          "add its peak FLOP/s, memory and links, with `match` naming it")
+    if base is not None:
         return replace(base, name=name or base.name, calibration=cal,
                        source=f"calibrated on {cal.machine['hostname']} {cal.machine['measured_at']}")
     cpu = PROFILES["cpu"]

@@ -149,7 +149,7 @@ class RunConfig:
     repeat: Annotated[int, Field(ge=0, le=10_000)] = 0
     """repeat index of the same config (noise estimation)"""
     fault: str = "none"
-    """test-only fault injection, comma-separated: raise | hang | oom | oom_real on the last rank; sleep:MS per step; stage_sleep:MS per pipeline compute section (native); grad_scale:K, lr_scale:K, sgd:LR at every optimizer step"""
+    """test-only fault injection, comma-separated: raise | hang | oom | oom_real on the last rank; sleep:MS per step; slow_rank:MS at the end of each step of the last rank (a straggler); stage_sleep:MS per pipeline compute section (native); grad_scale:K, lr_scale:K, sgd:LR at every optimizer step"""
     timeout_s: Number(gt=0, le=MAX_TIMEOUT_S) = 600.0
     """wall-clock limit of the run in seconds"""
     profile: bool = False
@@ -445,8 +445,8 @@ def layout_product(cfg, dims=DIMS) -> str:
 
 
 # Test-only faults: name → whether it takes a number (`sleep:400`). See bench.worker for what each does.
-FAULTS = {"raise": False, "hang": False, "oom": False, "oom_real": False, "sleep": True, "stage_sleep": True,
-          "grad_scale": True, "lr_scale": True, "sgd": True}
+FAULTS = {"raise": False, "hang": False, "oom": False, "oom_real": False, "sleep": True, "slow_rank": True,
+          "stage_sleep": True, "grad_scale": True, "lr_scale": True, "sgd": True}
 FAULT_LIMIT = 3_600_000
 """No fault number may exceed this (an hour in milliseconds for the sleeps; far above any sane scale)."""
 

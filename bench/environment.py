@@ -87,6 +87,28 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def cache_dir() -> Path:
+    """This suite's user cache (calibrated profiles, saved tracebacks): $XDG_CACHE_HOME/parabench, else
+    ~/.cache/parabench."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "parabench"
+
+
+@lru_cache(maxsize=8)
+def machine_identity(device: str = "cpu") -> dict:
+    """What a measured profile holds for: this host, its CPU and cores, the torch build and the device
+    measured (cpu or the CUDA device's name). A profile measured under another identity is not this
+    machine's (bench.analysis.hardware.measured_profile)."""
+    return {"hostname": socket.gethostname(), "cpu_model": cpu_model(), "cores": os.cpu_count(),
+            "torch": _version("torch"), "device": device}
+
+
+def fingerprint(identity: dict) -> str:
+    """A short, stable name for a machine identity (the cached profile's file name)."""
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def environment() -> dict:
     return {
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -89,9 +89,10 @@ class RankPool:
         self.log = str(log) if log else None
         self._procs: list[mp.Process] = []
 
-    def run(self, cfg: RunConfig, trace_dir: str | None = None) -> dict:
+    def run(self, cfg: RunConfig, trace_dir: str | None = None, hardware=None) -> dict:
         """Run `cfg` on the pool; always returns a row (status ok, failed, oom or timeout). `trace_dir`:
-        where a profiled run (cfg.profile) writes its traces."""
+        where a profiled run (cfg.profile) writes its traces; `hardware`: the profile to predict it on
+        (default: `estimate.row_hardware`'s)."""
         if cfg.world != self.world:
             raise ValueError(f"pool of {self.world} ranks cannot run world size {cfg.world}")
         try:
@@ -100,7 +101,7 @@ class RankPool:
             return failure_row(cfg, failure.status, str(failure), failure.rank)
         if row is None:  # never hand a caller None: the row is the record of the run
             return failure_row(cfg, "failed", "rank 0 finished without a result row", 0)
-        return with_predictions(cfg, row)
+        return with_predictions(cfg, row, hardware)
 
     def call(self, fn: Callable, *args, timeout_s: float = 600.0) -> list:
         """`fn(*args)` on every rank; the value each rank returned, by rank. Raises RankFailure (and

@@ -171,9 +171,12 @@ def _measure(trainer: Trainer, trace_dir: str | None = None) -> RankResult:
     train = _with_fault(trainer.train, cfg, groups.rank) if cfg.fault != "none" else trainer.train
     losses, warmup_s = _warm_up(train, trainer, cfg, device)
     timer, mem = StepTimer(device), PeakMemory(device)
+    on_host = not bench_device.for_device(device).is_accelerator
     with mem if mem.free else contextlib.nullcontext():
         for step in range(cfg.warmup, cfg.warmup + cfg.steps):
             batch = trainer.batch(step)
+            if on_host:  # every rank's step starts together: a rank's time is its own, not its wait for a slower one
+                dist.barrier()
             with timer:
                 loss = train(batch)
             losses.append(_value(loss))
@@ -232,7 +235,14 @@ def _value(loss: torch.Tensor | None) -> float | None:
 
 
 def _with_fault(train, cfg: RunConfig, rank: int):
+    """`train` with the test-only faults; `slow_rank:MS` sleeps after the step's last collective, on the last
+    rank only, so that the other ranks wait for it outside their timed steps (a straggler, seen per rank)."""
+    slow = parse_fault(cfg.fault).get("slow_rank") if rank == cfg.world - 1 else None
+
     def faulty(batch):
         _inject_fault(cfg, rank)
-        return train(batch)
+        loss = train(batch)
+        if slow:
+            time.sleep(slow / 1e3)
+        return loss
     return faulty

@@ -5,8 +5,8 @@ The default set is issue 11's world-≤ 2 set on the `small` model: native dp 2,
 ddp dp 2, fsdp full dp 2, deepspeed ZeRO-1 and ZeRO-3 dp 2. Each config runs on a RankPool of its world
 size (one thread per rank, as `bench run`), in interleaved rounds (--repeats, 3: one step time drifts
 5-10 % between runs here), and each config's median round is compared; the prediction uses the
-calibrated `cpu` profile when `bench calibrate` has written one (else the built-in), exactly as the
-result row's pred_* columns. Beside the time table it prints the measured step peak memory
+profile measured on this machine when there is one (`bench calibrate`, or a sweep's own; else the
+built-in), exactly as the result row's pred_* columns. Beside the time table it prints the measured step peak memory
 (peak_mem_bytes: live tensor bytes a step adds, torch.profiler's allocation records on CPU)
 against the predicted one (pred_peak_mem_bytes: what is live at the step's largest moment,
 bench.analysis.memory.step_peak), per config and per rank.
@@ -99,7 +99,7 @@ def print_table(cfgs, rows) -> list[float]:
         terms = " ".join(f"{row[f'pred_{t}_s'] * 1e3:.1f}" for t in TERMS)
         print(f"{describe(cfg):<44}{row['step_time_s'] * 1e3:>12.1f}{row['spread']:>12}{pred * 1e3:>10.1f}"
               f"{err:>+8.1%}   {terms}")
-    print_spread("|error|", errors, f" (profile: {rows[0].get('pred_hardware')})")
+    print_spread("|error|", errors, f" (profile: {rows[0].get('pred_profile')})")
     return errors
 
 

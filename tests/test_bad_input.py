@@ -133,6 +133,9 @@ for file, named in {"ranks_zero": "ranks_per_node", "poll_negative": "poll_s"}.i
     case(f"sweep-profile-{file}", ["sweep", "{d}/ok.yaml", "--launcher", "slurm", "--profile",
                                    f"{{inp}}/profiles/{file}.yaml", "--dry-run"], f"{file}.yaml", named)
 case("sweep-resume-out-holds-rows", ["sweep", "{d}/ok.yaml", "--out", "{d}/good"], "--resume")
+case("sweep-hardware-unknown", ["sweep", "{d}/ok.yaml", "--hardware", "nosuch", "--dry-run"], "nosuch")
+case("sweep-hardware-with-slurm", ["sweep", "{d}/ok.yaml", "--launcher", "slurm", "--hardware", "cpu", "--dry-run"],
+     "--hardware")
 
 # hardware files for estimate and plan
 for file, named in {"memory_negative": "memory_bytes", "peak_nan": "peak_flops.fp32",
@@ -289,12 +292,12 @@ def test_resume_moves_a_corrupt_row_aside_and_reruns_its_config(tmp_path, capsys
     sweep = tmp_path / "one.yaml"
     sweep.write_text("grid: {seed: [0, 1]}\nbase: {steps: 1, warmup: 0}\nlauncher: debug\n")
     out = tmp_path / "out"
-    code, output = _bench(["sweep", str(sweep), "--out", str(out), "--no-progress"], capsys)
+    code, output = _bench(["sweep", str(sweep), "--out", str(out), "--no-progress", "--no-calibrate"], capsys)
     assert code == 0, output
     first, second = sorted((out / "runs").glob("*.json"))
     kept = second.read_bytes()
     first.write_text("null")
-    code, output = _bench(["sweep", str(sweep), "--out", str(out), "--resume", "--no-progress"], capsys)
+    code, output = _bench(["sweep", str(sweep), "--out", str(out), "--resume", "--no-progress", "--no-calibrate"], capsys)
     assert code == 0 and "Traceback" not in output, output
     assert f"{first}: not a result row: a JSON null, not an object" in output
     assert first.with_name(first.name + ".corrupt").read_text() == "null"  # moved aside, not deleted
@@ -337,9 +340,9 @@ def test_sweep_exit_status_with_failed_runs(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     sweep = tmp_path / "f.yaml"
     sweep.write_text("grid: {fault: [none, raise]}\nbase: {steps: 1, warmup: 0}\nlauncher: debug\n")
-    code, output = _bench(["sweep", str(sweep), "--out", "a", "--no-progress"], capsys)
+    code, output = _bench(["sweep", str(sweep), "--out", "a", "--no-progress", "--no-calibrate"], capsys)
     assert code == 0 and "failed 1" in output, output
-    code, output = _bench(["sweep", str(sweep), "--out", "a", "--resume", "--no-progress", "--fail-on-failure"],
+    code, output = _bench(["sweep", str(sweep), "--out", "a", "--resume", "--no-progress", "--no-calibrate", "--fail-on-failure"],
                           capsys)
     assert code == 1 and "1 run(s) in a failed" in output, output
 

@@ -15,7 +15,7 @@ REQUIRED = ["status", "backend", "tp", "pp", "dp", "world_size", "model", "param
 
 def test_bench_run_cli_prints_one_json_row():
     out = subprocess.run([sys.executable, "-m", "bench.cli", "run", "--model", "tiny", "--backend", "native",
-                          "--tp", "1", "--pp", "1", "--dp", "1", "--steps", "5", "--json"],
+                          "--tp", "1", "--pp", "1", "--dp", "1", "--steps", "5", "--json", "--no-calibrate"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     row = json.loads(out.stdout)  # exactly one JSON object on stdout
@@ -50,3 +50,13 @@ def test_hung_rank_times_out_and_pool_recovers(pools):
     row = pools(2).run(RunConfig(dp=2, steps=2, fault="hang", timeout_s=8))
     assert row["status"] == "timeout" and "timeout_s=8" in row["error"]
     assert pools(2).run(RunConfig(dp=2, steps=2))["status"] == "ok"
+
+
+def test_an_explicit_hardware_predicts_the_row_on_it(tmp_path, monkeypatch):
+    """`--hardware`: the row is predicted on the named profile (nothing calibrated), and says so."""
+    monkeypatch.setenv("PARABENCH_PROFILES", str(tmp_path))  # no profile measured here
+    from bench.analysis.hardware import get_hardware
+    from bench.sweep.local import run_debug
+    row = run_debug(RunConfig(model="tiny", steps=1, warmup=0), None, get_hardware("h100-sxm"))
+    assert row["status"] == "ok" and row["pred_hardware"] == "h100-sxm" and row["pred_profile"] == "built-in h100-sxm"
+    assert run_debug(RunConfig(model="tiny", steps=1, warmup=0))["pred_profile"] == "built-in cpu"

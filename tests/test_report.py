@@ -176,3 +176,28 @@ def test_labels_and_figures_name_cp_only_where_it_is_used():
     assert "cp group" not in legend  # a sweep without cp draws what it drew before
     heatmap = throughput_heatmap(runs)  # one cell (tp 1, pp 1) of world 4: its best layout, the cp one
     assert [t.get_text() for t in heatmap.axes[0].texts] == ["1.5k\ncp2·dp2"]
+
+
+def test_a_planted_straggler_is_flagged_with_its_rank(pools, tmp_path):
+    """One rank slowed by 150 ms a step (fault slow_rank, the last rank): its row names it as the slowest
+    with a spread past STRAGGLER_SPREAD; the report's per-rank view marks it and `bench compare` finds it
+    new against a baseline without one (gated unless --exact-only)."""
+    from bench.config import RunConfig
+    from bench.report.compare import STRAGGLER_SPREAD, compare
+    from support.report_runs import write_rows
+    cfg = RunConfig(model="tiny", dp=2, steps=3, warmup=1, fault="slow_rank:150")
+    row = pools(2).run(cfg)
+    assert row["status"] == "ok", row["error"]
+    per_rank = json.loads(row["step_time_s_per_rank"])
+    assert len(per_rank) == 2 and per_rank[1] - per_rank[0] > 0.1  # the sleep lands on rank 1's own steps only
+    assert row["slowest_rank"] == 1 and row["step_time_spread"] > STRAGGLER_SPREAD
+    page = (build_report([write_rows([row], tmp_path / "runs")], tmp_path / "report").parent / "report.md").read_text()
+    view = page.split("## Stragglers")[1].split("\n## ")[0]
+    flagged = [line for line in view.splitlines() if "◀ slowest" in line]
+    assert len(flagged) == 1 and "| rank 1 |" in flagged[0] and flagged[0].endswith("◀ slowest |")  # rank 1: the last
+    healthy = {**row, "step_time_spread": 1.0, "slowest_rank": 0}
+    found = compare(pd.DataFrame([healthy]), pd.DataFrame([row]))
+    finding = [r for r in found.rows if r["verdict"] == "straggler"]
+    assert len(finding) == 1 and finding[0]["error"] == "rank 1 is the slowest" and found.regressed
+    assert not compare(pd.DataFrame([healthy]), pd.DataFrame([row]), exact_only=True).regressed
+    assert not [r for r in compare(pd.DataFrame([row]), pd.DataFrame([row])).rows if r["verdict"] == "straggler"]

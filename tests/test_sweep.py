@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from bench.config import RunConfig
-from bench.results import Status
+from bench.results import Status, skipped_row
 from bench.sweep.spec import SweepError, expand, load_sweep, parse_sweep
 from bench.results.store import SCHEMA_VERSION, load_results
 
@@ -163,7 +163,7 @@ def test_prune_fit_uses_the_named_profile_memory(tmp_path):
     peak = exp.predictions[pruned["run_id"]].peak_bytes
     assert peak > 6 * 2**20 > exp.predictions[kept.run_id].peak_bytes
     assert pruned["error"] == (f"pruned: predicted peak memory {peak / 2**20:,.1f} MiB per rank exceeds the 6.0 MiB "
-                               "a rank has on small-gpu (datasheet) (one device's 6.0 MiB); prune.fit = true")
+                               "a rank has on small-gpu (one device's 6.0 MiB); prune.fit = true")
     # 6 MiB sits 1.41× below that peak: a fit rule 1.4× too lax would still prune it. At the edge the rule is
     # exact: a rank with one byte less than the peak is pruned, one with exactly the peak keeps its run.
     for memory, fits in ((peak - 1, False), (peak, True)):
@@ -219,7 +219,7 @@ def test_dry_run_shows_every_prediction_and_the_pruned_reason(tmp_path):
                           cwd=ROOT, env={**os.environ, "COLUMNS": "400"})
     assert done.returncode == 0, done.stderr
     assert "pred ms/step" in done.stdout and "pred tokens/s" in done.stdout and "pred peak MiB" in done.stdout
-    assert "1 run(s) to launch, 1 skipped (1 pruned)" in done.stdout and "predicted on cpu" in done.stdout
+    assert "1 run(s) to launch, 1 skipped (1 pruned)" in done.stdout and "predicted on built-in cpu" in done.stdout
     assert "pruned: predicted" in done.stdout and "prune.slower_than_best = 2" in done.stdout
     spec = load_sweep(path)
     from bench.analysis.estimate import predict_row
@@ -354,7 +354,7 @@ grid:
   seed: [0, 1, 2, 3, 4]
 """)
     out = tmp_path / "out"
-    cmd = [BENCH, "sweep", str(sweep), "--out", str(out), "--no-progress"]
+    cmd = [BENCH, "sweep", str(sweep), "--out", str(out), "--no-progress", "--no-calibrate"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     runs = out / "runs"
     deadline = time.monotonic() + 120
@@ -478,3 +478,23 @@ def test_cp_is_an_axis_with_dp_auto_and_a_column_where_used():
                                                                                   "pp", "dp"]
     rows = [{**c.to_row(), "status": "skipped", "error": "x"} for c in every_cp.runs]
     assert header(summary_table(rows, "t"))[:6] == ["backend", "world_size", "tp", "cp", "pp", "dp"]
+
+
+def test_the_summary_is_one_line_per_run():
+    """Each row's reason is cut to its first clause in the terminal; the row keeps the whole text."""
+    from rich.console import Console
+
+    from bench.sweep.runner import first_clause, summary_table
+    reason = ("backend deepspeed: zero=3 is incompatible with pipeline parallel (pp=2); DeepSpeed's pipeline "
+              "engine supports zero 0 and 1")
+    rows = [skipped_row(RunConfig(model="tiny", backend="deepspeed", zero=3, dp=1, seed=s), reason) for s in range(3)]
+    table = summary_table(rows, "t", 100)
+    console = Console(record=True, width=table.width)
+    console.print(table)
+    lines = [ln for ln in console.export_text().splitlines() if "skipped" in ln]
+    assert len(lines) == 3 and all("zero=3 is incompatible" in ln and "DeepSpeed's" not in ln for ln in lines)
+    assert first_clause(reason) == "backend deepspeed: zero=3 is incompatible with pipeline parallel"
+    assert first_clause("rank 1 failed:\nTraceback …\nRuntimeError: injected fault (fault=raise)") == \
+        "RuntimeError: injected fault"
+    assert first_clause("x" * 200).endswith("…") and len(first_clause("x" * 200)) == 80
+    assert rows[0]["error"] == reason

@@ -198,12 +198,56 @@ def test_calibrate_writes_a_profile_found_by_name(calibrated, monkeypatch):
     monkeypatch.setenv("PARABENCH_PROFILES", str(calibrated))
     assert get_hardware("cpu").calibration is not None
     row = predict_row(RunConfig(model="small", dp=2), "cpu")
-    assert row["pred_hardware"] == "cpu (calibrated)"
+    assert row["pred_hardware"] == "cpu" and row["pred_profile"].startswith(f"calibrated on {cal.machine['hostname']} at ")
     assert row["pred_step_time_s"] == pytest.approx(sum(row[f"pred_{t}"] for t in TERMS))
     code, out = bench("estimate", "--model", "small", "--dp", "2", "--hardware", "cpu", "--json",
                       env={"PARABENCH_PROFILES": str(calibrated)})
     est = json.loads(out)
     assert code == 0 and est["calibrated"] and {"step_time_s", "compute_s", "overhead_s", "optimizer_s"} <= set(est)
+
+
+def test_a_profile_measured_here_is_used_and_cached(calibrated, monkeypatch, tmp_path):
+    """The sweep's calibration finds the profile measured on this machine (no second calibration: 0 s); a
+    profile of another torch (or host, CPU, cores) is not this machine's, nor one measured with fewer ranks."""
+    from dataclasses import replace as copy
+
+    from bench.analysis.estimate import row_hardware
+    from bench.analysis.hardware import measured_profile
+    from bench.calibrate import for_this_machine, write_profile
+    from bench.environment import machine_identity
+    monkeypatch.setenv("PARABENCH_PROFILES", str(calibrated))
+    here = load_profiles(calibrated / "cpu.yaml")["cpu"]
+    hw, line = for_this_machine((1, 2))
+    assert hw == here and "cached, 0 s" in line and line.count("\n") == 0
+    assert row_hardware("cpu", 2) == here
+    other = copy(here, calibration=copy(here.calibration, machine={**here.calibration.machine, "torch": "0.0"}))
+    monkeypatch.setenv("PARABENCH_PROFILES", str(tmp_path))
+    write_profile(other, tmp_path / "cpu.yaml")
+    assert measured_profile(machine_identity("cpu"), (2,)) is None
+    assert row_hardware("cpu", 2).calibration.machine["torch"] == "0.0"  # by name, as before: `bench calibrate`'s cpu
+    (tmp_path / "cpu.yaml").unlink()
+    assert row_hardware("cpu", 2) == get_hardware("cpu") and predict_row(RunConfig(model="tiny", dp=2), "cpu")[
+        "pred_profile"] == "built-in cpu"
+    monkeypatch.setenv("PARABENCH_PROFILES", str(calibrated))
+    assert measured_profile(machine_identity("cpu"), (4,)) == here  # the best there is, though it covers 2 ranks only
+
+
+@pytest.mark.slow
+def test_the_first_sweep_calibrates_then_uses_the_cache(monkeypatch, tmp_path):
+    """No profile measured here: the quick calibration runs once (the line says how long) and is cached under
+    the machine's fingerprint; the next sweep reads it (0 s)."""
+    import time
+
+    from bench.environment import fingerprint, machine_identity
+    from bench.sweep.runner import calibrate_here
+    monkeypatch.setenv("PARABENCH_PROFILES", str(tmp_path))
+    runs = [RunConfig(model="tiny", dp=2)]
+    first = calibrate_here(runs, "local")
+    assert first.startswith("calibrated this machine in ") and (tmp_path / f"auto-{fingerprint(machine_identity())}.yaml").is_file()
+    t0 = time.monotonic()
+    assert "cached, 0 s" in calibrate_here(runs, "local") and time.monotonic() - t0 < 1.0
+    assert calibrate_here(runs, "slurm") is None  # its tasks run on other hosts
+    assert predict_row(runs[0], "cpu")["pred_profile"].startswith("calibrated on ")
 
 
 def test_collectives_are_read_at_the_ranks_running():
@@ -245,7 +289,7 @@ class _FakeCalibrationPool:
             k = args[0]
             return [0.01 * k if rank < k else None for rank in range(self.world)]
         if fn is calibrate.measure_collectives:
-            g, running, sizes, _ = args
+            g, running, sizes = args[:3]
             t = (10 * g + running) * 1e-6
             row = {op: [[4.0 * max(1, b // 4), t * (1 + i)] for i, b in enumerate(sizes)] for op in calibrate.OPS}
             return [row if rank < running else None for rank in range(self.world)]
@@ -311,10 +355,11 @@ def test_interrupted_write_leaves_the_old_profile(tmp_path):
     assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["a.yaml"]
 
 
-def test_a_measured_row_carries_its_predicted_time(pools):
+def test_a_measured_row_carries_its_predicted_time(pools, monkeypatch, tmp_path):
+    monkeypatch.setenv("PARABENCH_PROFILES", str(tmp_path))  # no profile measured here
     row = pools(2).run(RunConfig(model="tiny", dp=2, steps=2, warmup=1))
     assert row["status"] == "ok", row["error"]
-    assert row["pred_hardware"].startswith("cpu (") and row["pred_step_time_s"] > 0
+    assert row["pred_profile"] == "built-in cpu" and row["pred_step_time_s"] > 0
     assert row["pred_step_time_s"] == pytest.approx(sum(row[f"pred_{t}"] for t in TERMS))
     assert row["pred_step_time_error"] == pytest.approx(row["pred_step_time_s"] / row["step_time_s"] - 1)
     assert row["pred_step_time_abs_error"] == pytest.approx(abs(row["pred_step_time_error"]))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from bench.analysis.comm import comm_summary
-from bench.analysis.hardware import Hardware, get_hardware
+from bench.analysis.hardware import Hardware, get_hardware, profile_label
 from bench.analysis.memory import ActivationModel, model_state_bytes, stage_memory
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import step_terms
@@ -127,7 +127,7 @@ def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str | None = None, 
             "comm_cp_s": t["comm_exposed_cp_s"], "comm_pp_s": t["comm_exposed_pp_s"], "comm_dp_s": t["comm_dp_total_s"], "comm_dp_exposed_s": t["comm_exposed_dp_s"],
             "links": {d: links[d][2] for d in links}, "tokens_per_s": cfg.tokens_per_step / step,
             "mfu": model_flops / cfg.world / (step * hw.peak(cfg.dtype)),
-            "calibrated": hw.calibration is not None}
+            "calibrated": hw.calibration is not None, "profile": profile_label(hw)}
 
 
 def estimate(cfg, hardware: str | Hardware | None = None, gpus_per_node: int | None = None,
@@ -172,11 +172,17 @@ def predict_row(cfg, device_name: str | None = None, hardware: Hardware | None =
         return {"pred_error": f"{type(e).__name__}: {e}"}
 
 
-def row_hardware(device_name: str | None) -> Hardware | None:
-    """The profile a row is predicted on: the CUDA device's (a calibrated one of that name first), on
-    CPU `cpu` (the calibrated one when `bench calibrate` wrote it, else the built-in)."""
-    from bench.analysis.hardware import profile_for_device
-    if not device_name or device_name == "cpu":
+def row_hardware(device_name: str | None, world: int = 1) -> Hardware | None:
+    """The profile a row is predicted on: the one measured on this machine for that device (`bench
+    calibrate`, or the sweep's own calibration: `measured_profile`), else the device's by name (a
+    calibrated one of that name first, else the built-in: `cpu`, or the CUDA device's datasheet)."""
+    from bench.analysis.hardware import measured_profile, profile_for_device
+    from bench.environment import machine_identity
+    device_name = device_name or "cpu"
+    here = measured_profile(machine_identity(device_name), (world,))
+    if here is not None:
+        return here
+    if device_name == "cpu":
         return get_hardware("cpu")
     base = profile_for_device(device_name)
     return get_hardware(base.name) if base else None
@@ -194,12 +200,12 @@ def _predict_row(cfg, device_name: str | None = None, hardware: Hardware | None 
         out[f"pred_{k}"] = max(s[k] for s in est["stages"])  # max over ranks per column, as the measured row
     for name in comm_columns():
         out[f"pred_{name}"] = est[name]
-    hw = hardware or row_hardware(device_name)
+    hw = hardware or row_hardware(device_name, cfg.world)
     if hw is not None:
         t = predict_time(stage_plan(cfg, gpus_per_node), hw)
         t["comm_exposed_s"] = t["exposed_comm_s"]
         out.update({f"pred_{k}": t[k] for k in TIME_KEYS})
-        out["pred_hardware"] = hw.name + (" (calibrated)" if hw.calibration else " (datasheet)")
+        out.update(pred_hardware=hw.name, pred_profile=profile_label(hw))
     return out
 
 
@@ -216,11 +222,12 @@ def prediction_error(row: dict) -> dict:
     return out
 
 
-def with_predictions(cfg, row: dict) -> dict:
-    """A measured row with its pred_* columns and errors beside the measured ones. Added by whoever receives
-    the row from the ranks (the rank pool, the debug launcher, a Slurm task), after the ranks have finished,
-    so the cost model never runs inside a rank's measurement."""
+def with_predictions(cfg, row: dict, hardware: Hardware | None = None) -> dict:
+    """A measured row with its pred_* columns and errors beside the measured ones, on `hardware` when given
+    (`--hardware`), else on `row_hardware`'s. Added by whoever receives the row from the ranks (the rank
+    pool, the debug launcher, a Slurm task), after the ranks have finished, so the cost model never runs
+    inside a rank's measurement."""
     if row.get("status") != "ok":
         return row
-    row = {**row, **predict_row(cfg, row.get("device_name"))}
+    row = {**row, **predict_row(cfg, row.get("device_name"), hardware)}
     return {**row, **prediction_error(row)}

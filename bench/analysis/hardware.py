@@ -423,8 +423,51 @@ def calibration_from_dict(data: dict, where: str) -> Calibration:
 
 
 def profile_dir() -> Path:
-    """Where calibrated profiles live: $PARABENCH_PROFILES, else ~/.cache/parabench/profiles."""
-    return Path(os.environ.get("PARABENCH_PROFILES") or Path.home() / ".cache" / "parabench" / "profiles")
+    """Where calibrated profiles live: $PARABENCH_PROFILES, else the user cache's profiles/
+    ($XDG_CACHE_HOME/parabench/profiles, else ~/.cache/parabench/profiles)."""
+    from bench.environment import cache_dir
+    return Path(os.environ.get("PARABENCH_PROFILES") or cache_dir() / "profiles")
+
+
+def measured_profile(identity: dict, worlds: tuple[int, ...] = (1,)) -> Hardware | None:
+    """The best profile of profile_dir() measured on the machine `identity` names (its host, CPU, cores,
+    torch and device: bench.environment.machine_identity), or None: one that `covers` these world sizes
+    first, then a full calibration before a quick one, then the most ranks, then the newest."""
+    folder = profile_dir()
+    if not folder.is_dir():
+        return None
+    here = [hw for path in sorted(folder.glob("*.yaml")) for hw in load_profiles(path).values()
+            if hw.calibration is not None and _measured_on(hw.calibration.machine, identity)]
+
+    def rank(hw):
+        m = hw.calibration.machine
+        return covers(hw, worlds), not m.get("quick"), int(m.get("world", 2)), str(m.get("measured_at", ""))
+    return max(here, key=rank, default=None)
+
+
+def covers(hw: Hardware, worlds: tuple[int, ...]) -> bool:
+    """Whether a calibrated profile measured what runs of these world sizes meet: the shared cores up to the
+    largest, and the collectives with each world's ranks running."""
+    cal = hw.calibration
+    running = {r for table in cal.collectives.values() for by_ranks in table.values() for r in by_ranks}
+    return max(worlds) <= max(map(int, cal.oversubscription), default=1) and \
+        all(w in running for w in worlds if w >= 2)
+
+
+def _measured_on(machine: dict, identity: dict) -> bool:
+    return all(str(machine.get(k)) == str(v) for k, v in identity.items())
+
+
+def profile_label(hw: Hardware) -> str:
+    """Which profile a prediction used, for the row's `pred_profile` and the report's titles:
+    "calibrated on HOST at TIME", "built-in NAME", or "NAME from FILE"."""
+    if hw.calibration is not None:
+        m = hw.calibration.machine
+        quick = f", quick, {m.get('world', 2)} ranks" if m.get("quick") else f", {m.get('world', 2)} ranks"
+        return f"calibrated on {m.get('hostname')} at {m.get('measured_at')} ({hw.name}{quick})"
+    if PROFILES.get(hw.name) == hw:
+        return f"built-in {hw.name}"
+    return f"{hw.name} from {hw.source}"
 
 
 def calibrated_profiles() -> dict[str, Hardware]:

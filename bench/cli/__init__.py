@@ -22,21 +22,29 @@ def app():
 @click.option("--json", "as_json", is_flag=True, help="print the result row as one JSON object")
 @click.option("--trace-dir", default="traces", show_default=True, type=click.Path(file_okay=False),
               help="with --profile: the traces go to TRACE_DIR/<run_id>/")
-def run(launcher, as_json, trace_dir, **options):
+@click.option("--no-calibrate", is_flag=True,
+              help="do not measure this machine first: predict on a profile measured here before, else the built-in")
+@click.option("--hardware", default=None, help="predict the row on this profile (name or YAML file); nothing is calibrated")
+def run(launcher, as_json, trace_dir, no_calibrate, hardware, **options):
     """Run one benchmark configuration and print its result row."""
     cfg = config_from_options(options)
     from bench.sweep.local import DebugLauncher, run_debug, run_local
-    from bench.sweep.runner import local_size_reason
+    from bench.sweep.runner import calibrate_here, local_size_reason
     reason = local_size_reason(cfg.world, cfg.device) if launcher == "local" else DebugLauncher().unsupported(cfg)
     if reason:  # before anything starts
         raise ConfigError(reason)
     if cfg.profile:
         from bench.metrics.profile import check_writable
         check_writable(trace_dir)  # refused in one line before any rank starts
+    from bench.analysis.hardware import get_hardware
     from bench.layout import named_dims
+    hw = get_hardware(hardware) if hardware else None  # a bad name or file: one line, before anything starts
+    note = None if no_calibrate or hw else calibrate_here([cfg], launcher)
+    if note:
+        click.echo(note, err=True)
     layout = " ".join(f"{d}={getattr(cfg, d)}" for d in named_dims(cfg.cp))
     click.echo(f"running {cfg.backend} {layout} ({cfg.world} ranks) run_id={cfg.run_id}", err=True)
-    row = (run_debug if launcher == "debug" else run_local)(cfg, trace_dir if cfg.profile else None)
+    row = (run_debug if launcher == "debug" else run_local)(cfg, trace_dir if cfg.profile else None, hw)
     if as_json:
         echo_json(row)
     else:
@@ -119,9 +127,10 @@ def _save_traceback() -> str:
     import tempfile
     import time
     import traceback
+
+    from bench.environment import cache_dir
     text = traceback.format_exc()
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    for folder in (os.path.join(cache, "parabench", "tracebacks"), tempfile.gettempdir()):
+    for folder in (str(cache_dir() / "tracebacks"), tempfile.gettempdir()):
         try:
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt")

@@ -139,7 +139,7 @@ def _print_estimate(est: dict) -> None:
     click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")
     if "step_time_s" in est:
         cp = "cp" in est["links"]  # named only where cp > 1
-        click.echo(f"on {est['hardware']} ({'calibrated' if est['calibrated'] else 'datasheet'}; links tp "
+        click.echo(f"on {est['profile']} (links tp "
                    f"{est['links']['tp']}, " + (f"cp {est['links']['cp']}, " if cp else "") +
                    f"pp {est['links']['pp']}, dp {est['links']['dp']}): step "
                    f"{est['step_time_s']:.4g} s = compute {est['compute_s']:.4g} + overhead {est['overhead_s']:.4g} "
@@ -264,7 +264,7 @@ def validate(path, figure, as_json):
 @click.option("--world", type=positive_int(64), default=2, show_default=True,
               help="ranks to measure collectives and shared cores with")
 @click.option("--out", "out", default=None, help="profile file to write (default: NAME.yaml in the profiles folder, "
-                                                 "$PARABENCH_PROFILES or ~/.cache/parabench/profiles, where "
+                                                 "$PARABENCH_PROFILES or $XDG_CACHE_HOME/parabench/profiles, where "
                                                  "--hardware NAME finds it)")
 @click.option("--name", default=None, help="profile name (default: cpu, or the GPU's profile name)")
 @click.option("--quick", is_flag=True, help="fewer shapes and sizes, shorter windows (< 30 s on a laptop)")

@@ -24,8 +24,12 @@ COMMANDS: list[click.Command] = []
 @click.option("--no-report", is_flag=True, help="skip the report even if the sweep file asks for one")
 @click.option("--fail-on-failure", is_flag=True,
               help="exit 1 when OUT holds a failed, oom, timeout or cancelled row (default: exit 0, they are results)")
+@click.option("--no-calibrate", is_flag=True,
+              help="do not measure this machine first: predict on a profile measured here before, else the built-in")
+@click.option("--hardware", default=None, help="predict every run on this profile (name or YAML file; local and "
+                                               "debug launchers); nothing is calibrated")
 def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, max_parallel, no_progress,
-          no_report, fail_on_failure):
+          no_report, fail_on_failure, no_calibrate, hardware):
     """Run every configuration of a sweep FILE; one row per run in OUT/runs/, all rows in OUT/results.parquet.
 
     A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled, and the sweep
@@ -38,7 +42,9 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     if profile and (launcher or spec.launcher.kind) != "slurm":
         raise click.UsageError("--profile applies to the slurm launcher; add --launcher slurm")
     out = Path(out or Path("results") / spec.name)
-    prepared = prepare(spec, out, launcher, profile, exclusive, max_parallel, predict=dry_run)  # every error first
+    from bench.analysis.hardware import get_hardware
+    prepared = prepare(spec, out, launcher, profile, exclusive, max_parallel, predict=dry_run,
+                       calibrate=not (no_calibrate or dry_run), hardware=hardware and get_hardware(hardware))  # every error first
     from bench.sweep.prune import warn
     warn(prepared.exp.warnings)
     console = Console(highlight=False, width=max(Console().width, 140))
@@ -51,7 +57,9 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     from bench.results.store import load_results
     df = load_results(out)
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
-    console.print(summary_table(rows, f"sweep {spec.name}: {len(rows)} row(s) in {out}"))
+    table = summary_table(rows, f"sweep {spec.name}: {len(rows)} row(s) in {out}", console.width)
+    console.width = max(console.width, table.width)  # one line per run, wider than the terminal if need be
+    console.print(table)
     console.print(f"this invocation: {print_counts(result.counts)}"
                   + (f" · {result.resumed} resumed" if result.resumed else "")
                   + f"   wall {result.wall_s:.1f} s   → {out}/results.parquet")
@@ -91,7 +99,9 @@ def results(path, quiet, overhead):
     console = Console(highlight=False, width=max(Console().width, 140))
     rows = df.astype(object).where(df.notna(), None).to_dict("records")
     if not quiet:
-        console.print(summary_table(rows, f"{path}: {len(rows)} row(s)"))
+        table = summary_table(rows, f"{path}: {len(rows)} row(s)", console.width)
+        console.width = max(console.width, table.width)
+        console.print(table)
     if overhead:
         from bench.sweep.runner import launch_overhead
         console.print("launch overhead: wall time per run, launch → row (s); work_s = the run's own steps")

@@ -26,10 +26,14 @@ from bench.results import COLUMNS, EXACT, Compare, Status
 from bench.results import NOISY as NOISY_COLUMNS
 
 DEFAULT_THRESHOLD = 0.05
+STRAGGLER_SPREAD = 1.5
+"""A rank whose median step is more than this × the median rank's is a straggler (the row's step_time_spread).
+Healthy runs here stay under it: 4 ranks sharing 2 cores, with the machine loaded by other jobs, spread up
+to 1.25 (2026-12-02, world-4 ddp/native tiny); a rank slowed by 100 ms a step reads ~3."""
 
 NOISY = {name: (col.compare == Compare.HIGHER, col.floor) for name, col in NOISY_COLUMNS.items()}
 """name: (higher_is_better, floor), from the declaration."""
-FAILED_VERDICTS = ("changed", "missing", "regressed", "failed")
+FAILED_VERDICTS = ("changed", "missing", "regressed", "failed", "straggler")
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,26 @@ def _compare_config(b: pd.DataFrame, c: pd.DataFrame, exact_cols, thresholds, de
             if j.verdict != "no data":
                 rows.append({**info, "metric": metric, "kind": "noisy", "gated": not exact_only,
                              "threshold": threshold, **asdict(j)})
-    return rows
+    return rows + _new_straggler(b_ok, c_ok, info, exact_only)
+
+
+def _new_straggler(b: pd.DataFrame, c: pd.DataFrame, info: dict, exact_only: bool) -> list[dict]:
+    """A finding when the current runs of a config have a straggler (spread above STRAGGLER_SPREAD in their
+    median) and the baseline's had none: timing, so gated like the noisy metrics."""
+    current = _median(_finite_values(c, "step_time_spread"))
+    if current is None or current <= STRAGGLER_SPREAD:
+        return []
+    base = _median(_finite_values(b, "step_time_spread"))
+    if base is not None and base > STRAGGLER_SPREAD:
+        return []  # the baseline had one already: not new
+    rank = c["slowest_rank"].mode().iloc[0] if "slowest_rank" in c else None
+    return [{**info, "metric": "step_time_spread", "kind": "noisy", "verdict": "straggler", "gated": not exact_only,
+             "base": base, "current": current, "change": None, "noise": None, "limit": STRAGGLER_SPREAD,
+             "threshold": STRAGGLER_SPREAD, "error": f"rank {int(rank)} is the slowest" if rank is not None else None}]
+
+
+def _finite_values(df: pd.DataFrame, column: str) -> list[float]:
+    return [float(v) for v in df[column] if _finite(v)] if column in df else []
 
 
 def _exact_columns(base: pd.DataFrame, current: pd.DataFrame) -> list[str]:

@@ -8,7 +8,7 @@ from bench.report.compare import Comparison
 from bench.report.render import markdown_table
 from bench.results import unit
 
-COLOURS = {"regressed": "bold red", "changed": "bold red", "missing": "bold red", "failed": "bold red", "improved": "green",
+COLOURS = {"regressed": "bold red", "changed": "bold red", "straggler": "bold red", "missing": "bold red", "failed": "bold red", "improved": "green",
            "fixed": "green", "ok": "", "equal": "dim", "no data": "yellow", "skipped": "yellow"}
 
 
@@ -45,6 +45,11 @@ def fmt_change(row: dict) -> str:
     return "±∞" if math.isinf(change) else f"{change:+.1%}"
 
 
+def fmt_verdict(row: dict) -> str:
+    """The verdict; a straggler's names its rank."""
+    return row["verdict"] + (f" ({row['error']})" if row["verdict"] == "straggler" and row.get("error") else "")
+
+
 def fmt_noise(row: dict) -> str:
     """How much worse the metric may get: the threshold, or the repeats' noise when that is larger."""
     if row["kind"] != "noisy":
@@ -79,7 +84,7 @@ def print_terminal(comparison: Comparison) -> None:
     for col in ("config", "metric", "baseline [min–max]", "current [min–max]", "change", "allowed", "verdict"):
         table.add_column(col, no_wrap=True)
     for r in shown_rows(comparison):
-        verdict = r["verdict"] + ("" if r["gated"] or r["verdict"] in ("ok", "equal") else " (not gated)")
+        verdict = fmt_verdict(r) + ("" if r["gated"] or r["verdict"] in ("ok", "equal") else " (not gated)")
         table.add_row(r["label"], r["metric"], fmt_spread(r["metric"], r["base"], r.get("base_range")),
                       fmt_spread(r["metric"], r["current"], r.get("current_range")), fmt_change(r), fmt_noise(r),
                       f"[{COLOURS.get(r['verdict'], '')}]{verdict}[/]" if COLOURS.get(r["verdict"]) else verdict)
@@ -113,7 +118,7 @@ def _md(rows: list[dict]) -> str:
     import pandas as pd
     return markdown_table(pd.DataFrame([{
         "config": r["label"], "metric": r["metric"], "baseline": fmt_spread(r["metric"], r["base"], r.get("base_range")),
-        "current": fmt_spread(r["metric"], r["current"], r.get("current_range")), "change": fmt_change(r), "verdict": r["verdict"],
+        "current": fmt_spread(r["metric"], r["current"], r.get("current_range")), "change": fmt_change(r), "verdict": fmt_verdict(r),
         **({"gated": "yes" if r["gated"] else "no"})} for r in rows]))
 
 

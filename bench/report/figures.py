@@ -323,10 +323,15 @@ def predicted_time(df: pd.DataFrame):
     hist.set_xlabel("prediction error (%)")
     hist.set_ylabel("configs")
     hist.set_title(f"median |error| {np.median(np.abs(errors)):.0%}, max {np.max(np.abs(errors)):.0%}", fontsize=10)
-    fig.suptitle(f"Predicted vs measured step time ({configs['pred_hardware'].iloc[0] if 'pred_hardware' in configs else ''})",
-                 fontweight="bold", fontsize=11)
+    fig.suptitle(f"Predicted vs measured step time ({profiles_used(configs)})", fontweight="bold", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
+
+
+def profiles_used(df: pd.DataFrame) -> str:
+    """The profiles the rows' predictions used (`pred_profile`; older rows: `pred_hardware`), joined."""
+    col = "pred_profile" if "pred_profile" in df else "pred_hardware"
+    return "; ".join(sorted(df[col].dropna().astype(str).unique())) if col in df else "no profile"
 
 
 FIGURES = {

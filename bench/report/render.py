@@ -30,7 +30,7 @@ CAPTIONS = {
     "predicted_time": "Per config (mean over repeats), the measured median step time beside the time model's "
                       "prediction split into its terms (bench/analysis/time_model.py) and the error "
                       "predicted / measured − 1; right: the errors' distribution. The profile is named in the "
-                      "title: calibrated (`bench calibrate`) or datasheet.",
+                      "title: calibrated on this machine (by the sweep itself, or `bench calibrate`) or built-in.",
 }
 
 
@@ -75,10 +75,16 @@ def _make_figure(df: pd.DataFrame, name: str, out: Path) -> dict:
 def _tables(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str]]:
     """(title, table, note) in page order; the note explains the table, or its absence."""
     parity, parity_note = _safe(tables.loss_parity, df, default=(pd.DataFrame(), None))
-    fails, top, env = (_safe(make, df) for make in (tables.failures, tables.top_configs, tables.environment))
+    fails, top, env, slow = (_safe(make, df) for make in (tables.failures, tables.top_configs, tables.environment,
+                                                            tables.stragglers))
+    from bench.report.compare import STRAGGLER_SPREAD
     return [
         ("Top configs by throughput", top, "No successful run with a step time: nothing to rank." if top.empty else
          "Mean over repeats; ± is half the min–max spread of the repeats."),
+        ("Stragglers: median step per rank (ms)", slow,
+         f"No run has a rank slower than {STRAGGLER_SPREAD:g}× its median rank." if slow.empty else
+         f"Runs whose slowest rank's median step exceeds {STRAGGLER_SPREAD:g}× the median rank's "
+         "(step_time_spread); on CPU each timed step starts at a barrier, so a rank's time is its own work."),
         ("Loss parity against the single-process reference", parity, parity_note),
         ("Failed and skipped runs", fails, "Every run succeeded." if fails.empty else
          f"{len(fails)} run(s) produced no measurement; the reason is the last line of their error."),
@@ -135,6 +141,7 @@ def _html_header(summary: dict) -> str:
         kind = {Status.OK: "ok", Status.SKIPPED: "skip"}.get(status, "bad")
         pills.append(f'<span class="pill {kind}">{n} {html.escape(str(status))}</span>')
     best = f"<p>Fastest: <b>{html.escape(summary['best'])}</b></p>" if summary["best"] else ""
+    best += f"<p>Predictions on {html.escape(summary['profiles'])}</p>" if summary["profiles"] else ""
     sweeps = f" · sweep {html.escape(', '.join(summary['sweeps']))}" if summary["sweeps"] else ""
     nav = "".join(f'<a href="#{k}">{html.escape(t)}</a>' for k, (t, _) in figures.FIGURES.items())
     return (f"<header><h1>parabench report</h1><p>{_runs_of_configs(summary)}{sweeps}"
@@ -183,6 +190,8 @@ def _markdown(summary: dict, panels: list[dict], sections) -> str:
     lines = ["# parabench report", "", f"{_runs_of_configs(summary)} ({counts})."]
     if summary["best"]:
         lines += ["", f"Fastest: **{summary['best']}**"]
+    if summary["profiles"]:
+        lines += ["", f"Predictions on {summary['profiles']}."]
     for p in panels:
         lines += ["", f"## {p['title']}", "", p["caption"], ""]
         lines.append(f"> No figure: {p['empty']}." if p["empty"] else f"![{p['title']}](figures/{p['name']}.png)")

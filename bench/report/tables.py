@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.report.figures import ok_runs, per_config
+from bench.report.figures import ok_runs, per_config, profiles_used
 from bench.report.labels import MiB, add_labels, present
 from bench.report.parity import FP32_REL, SIGNAL_SHARE, loss_tolerance, training_signal
 from bench.results import Status
@@ -25,7 +25,8 @@ def summary(df: pd.DataFrame) -> dict:
         top = per_config(ok, ["tokens_per_s"]).sort_values("tokens_per_s").iloc[-1]
         best = f"{top['label']}: {top['tokens_per_s']:,.0f} tokens/s"
     return {"runs": len(df), "counts": counts, "configs": df["config_id"].nunique(),
-            "best": best, "sweeps": sorted({str(s) for s in df.get("sweep", pd.Series(dtype=object)).dropna()})}
+            "best": best, "sweeps": sorted({str(s) for s in df.get("sweep", pd.Series(dtype=object)).dropna()}),
+            "profiles": profiles_used(ok) if not ok.empty else None}
 
 
 def top_configs(df: pd.DataFrame, n: int = 10) -> pd.DataFrame:
@@ -144,6 +145,26 @@ def _losses(row) -> list[float]:
         return json.loads(row["losses"])
     except (TypeError, ValueError, KeyError):
         return [row["loss_first"], row["loss_last"]]
+
+
+def stragglers(df: pd.DataFrame) -> pd.DataFrame:
+    """Per rank, the median step of every run whose slowest rank's exceeds the median rank's by more than
+    STRAGGLER_SPREAD (bench/report/compare.py); the slowest rank is marked."""
+    from bench.report.compare import STRAGGLER_SPREAD
+    if "step_time_spread" not in df:
+        return pd.DataFrame()
+    slow = df[(df["status"] == Status.OK) & (pd.to_numeric(df["step_time_spread"], errors="coerce") > STRAGGLER_SPREAD)]
+    if slow.empty:
+        return pd.DataFrame()
+    slow = add_labels(slow)
+    rows = []
+    for _, run in slow.iterrows():
+        per_rank = json.loads(run["step_time_s_per_rank"])
+        cells = {f"rank {r}": f"{t * 1e3:.1f}" + (" ◀ slowest" if r == int(run["slowest_rank"]) else "")
+                 for r, t in enumerate(per_rank)}
+        rows.append({"config": run["label"], "run_id": run["run_id"], "spread": f"{run['step_time_spread']:.2f}×",
+                     "straggler": f"rank {int(run['slowest_rank'])}", **cells})
+    return pd.DataFrame(rows).fillna("")
 
 
 def failures(df: pd.DataFrame) -> pd.DataFrame:

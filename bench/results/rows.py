@@ -109,6 +109,7 @@ def measured_row(cfg: RunConfig, ranks: list[RankResult]) -> dict:
     """The row of a run that finished, from every rank's measurements."""
     from models import count_params, flops_per_token
     timing = step_time_summary([max(r.times[i] for r in ranks) for i in range(len(ranks[0].times))])  # slowest rank
+    timing.update(per_rank_step_times([statistics.median(r.times) for r in ranks]))
     step_s = timing["step_time_s"]
     flops_step = flops_per_token(cfg.model_config, cfg.seq) * cfg.tokens_per_step
     peak, peak_src = ranks[0].peak_flops
@@ -143,6 +144,16 @@ def step_time_summary(times: list[float]) -> dict[str, float]:
         return {}
     q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
     return {"step_time_s": statistics.median(times), "step_time_p10_s": q[0], "step_time_p90_s": q[-1]}
+
+
+def per_rank_step_times(medians: list[float]) -> dict:
+    """Each rank's median step, the spread (slowest rank's / the median rank's) and the slowest rank: a
+    straggler is a rank whose steps take longer than the others' (bench.report flags a spread above
+    STRAGGLER_SPREAD)."""
+    slowest = max(range(len(medians)), key=medians.__getitem__)
+    middle = statistics.median(medians)
+    return {"step_time_s_per_rank": json.dumps(medians), "slowest_rank": slowest,
+            "step_time_spread": medians[slowest] / middle if middle > 0 else 1.0}
 
 
 def _replica_losses(ranks: list[RankResult]) -> list[float]:

@@ -166,8 +166,10 @@ PRED_STATE = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_byte
 
 # --- predicted time (bench.analysis.time_model): the step's terms, each its own column ---
 _PRED_TIME = [
-    Column("pred_hardware", "str", "the hardware profile the time is predicted on, and whether it is calibrated "
-           "(`bench calibrate`) or datasheet", Kind.PREDICTED, always=False),
+    Column("pred_hardware", "str", "the name of the hardware profile the time is predicted on", Kind.PREDICTED,
+           always=False),
+    Column("pred_profile", "str", "which profile that is: \"calibrated on HOST at TIME (…)\" (by the sweep itself "
+           "or `bench calibrate`), \"built-in NAME\", or \"NAME from FILE\"", Kind.PREDICTED, always=False),
     Column("pred_step_time_s", "float", "predicted step time: the sum of the pred_*_s terms", Kind.PREDICTED, "s",
            always=False),
     Column("pred_tokens_per_s", "float", "predicted global tokens per second", Kind.PREDICTED, "tokens/s",
@@ -267,6 +269,13 @@ DECLARED: list[Column | Family] = [
               always=False),
     _measured("persistent_bytes_per_rank", "str", "bytes", "persistent_bytes of each rank (JSON list)", "per-rank",
               kind=Kind.EXACT, always=False),
+    _measured("step_time_s_per_rank", "str", "s", "each rank's median timed step (JSON list); on CPU every timed "
+              "step starts at a barrier, so a rank's time excludes waiting for a slower one before the step",
+              "per-rank", always=False),
+    _measured("step_time_spread", "float", "ratio", "the slowest rank's median step / the median rank's (1: no "
+              "straggler; `bench compare` and the report flag one above 1.5, bench/report/compare.py "
+              "STRAGGLER_SPREAD)", "per-rank", always=False),
+    _measured("slowest_rank", "int", "", "global rank with the longest median step", "per-rank", always=False),
     _measured("losses", "str", "", "global mean loss of every step, warm-up included (JSON list)", "replicas",
               always=False),
     Column("peak_flops_source", "str", "where peak_flops comes from (device table or CPU measurement)",

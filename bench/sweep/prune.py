@@ -2,8 +2,8 @@
 
 Each run is predicted as its row's `pred_*` columns will be (`bench.analysis.estimate.predict_row`:
 the backend's own precision convention, this suite's activations) on the hardware profile that
-applies: `prune.hardware` when the file names one, else the runs' device's (cpu: the calibrated
-`cpu` profile, or the built-in one; a GPU this machine has: its profile; a GPU the Slurm launcher
+applies: `prune.hardware` when the file names one, else the runs' device's (cpu: the profile
+calibrated on this machine, or the built-in one; a GPU this machine has: its profile; a GPU the Slurm launcher
 will find: unknown, so name it).
 
 - `fit: true` skips a run whose predicted peak memory (the largest rank's) exceeds what one rank
@@ -38,6 +38,8 @@ class Prediction:
     tokens_per_s: float | None = None
     hardware: str | None = None
     """The profile's name, as the row's pred_hardware says it (None: no profile applies)."""
+    profile: str | None = None
+    """Which profile that is, as the row's pred_profile says it (calibrated here, built-in, a file)."""
     rank_memory: float | None = None
     """The memory one rank has on that hardware (see the module docstring)."""
     memory_note: str = ""
@@ -61,10 +63,10 @@ def run_hardware(cfg: RunConfig, named: str | None, launcher: str) -> Hardware |
     if named:
         return get_hardware(named)
     if cfg.device == "cpu":
-        return row_hardware("cpu")
+        return row_hardware("cpu", cfg.world)
     if launcher in ("local", "debug"):  # the run lands on this machine: auto is what it has
         name = _local_device_name()
-        return row_hardware(name) if cfg.device == "auto" or name != "cpu" else None
+        return row_hardware(name, cfg.world) if cfg.device == "auto" or name != "cpu" else None
     return None
 
 
@@ -87,7 +89,7 @@ def predict(cfg: RunConfig, hw: Hardware | None, ranks_on_host: int) -> Predicti
         host = hw.memory_bytes * hw.gpus_per_node
         memory, note = host / ranks_on_host, f"{format_bytes(host)} of host memory shared by {ranks_on_host} rank(s)"
     return Prediction(peak, row["pred_step_time_s"], row["pred_tokens_per_s"], row["pred_hardware"],
-                      memory or None, note)
+                      row["pred_profile"], memory or None, note)
 
 
 def predict_runs(runs: list[RunConfig], named: str | None, launch) -> tuple[dict[str, Prediction], list[str]]:
@@ -110,7 +112,8 @@ def prune(spec, exp, launch) -> list[str]:
     """Move the runs `spec.prune` rules out into `exp.skipped` (their ids into `exp.pruned`); every run's
     prediction lands in `exp.predictions`. Returns warning lines (nothing could be pruned, and why)."""
     rules = spec.prune
-    preds, warnings = predict_runs(exp.runs, rules.hardware if rules else None, launch)
+    named = (rules.hardware if rules else None) or getattr(launch, "hardware", None)  # the file's, else --hardware
+    preds, warnings = predict_runs(exp.runs, named, launch)
     exp.predictions.update(preds)
     if rules is None:
         return []

@@ -6,6 +6,7 @@ also reruns the failed, oom, timeout and cancelled ones.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import time
@@ -21,13 +22,17 @@ from bench.results.store import ResultStore
 
 
 def make_launcher(spec: SweepSpec, out: Path, kind: str | None = None, profile: str | None = None,
-                  exclusive: bool = False, max_parallel: int | None = None) -> Launcher:
+                  exclusive: bool = False, max_parallel: int | None = None, hardware=None) -> Launcher:
+    """`hardware`: the profile the local and debug launchers' rows are predicted on (`--hardware`)."""
     kind = kind or spec.launcher.kind
     if kind in ("local", "debug"):
         from bench.sweep.local import DebugLauncher, LocalLauncher
         traces = out / "runs"  # a profiled run's traces: OUT/runs/<run_id>/ beside its row OUT/runs/<run_id>.json
-        return (LocalLauncher(log=out / "ranks.log", repeat_order=spec.repeat_order, traces=traces)
-                if kind == "local" else DebugLauncher(traces=traces))
+        return (LocalLauncher(log=out / "ranks.log", repeat_order=spec.repeat_order, traces=traces, hardware=hardware)
+                if kind == "local" else DebugLauncher(traces=traces, hardware=hardware))
+    if hardware is not None:
+        raise ValueError("--hardware applies to the local and debug launchers: a Slurm task predicts its row on "
+                         "its own host's profile (name one for pruning with `prune: {hardware: NAME}`)")
     from bench.sweep.slurm import SlurmLauncher, load_profile
     options = spec.launcher.options if spec.launcher.kind == "slurm" else {}
     prof = load_profile(profile or spec.launcher.profile or "local", options, source=spec.source,
@@ -55,11 +60,12 @@ class SweepOutcome:
     """Runs not launched because a previous invocation stored them."""
 
 
-def plan(spec: SweepSpec, launch: Launcher, predict: bool = False) -> Expansion:
+def plan(spec: SweepSpec, launch: Launcher, predict: bool = False, calibrate: bool = False) -> Expansion:
     """Expand the sweep; runs the launcher cannot place become skipped rows too, and so do the runs the
     file's `prune:` rules out (every run is then predicted; `predict` predicts them for a dry run without
-    rules). Raises SweepError when nothing at all can run (an impossible layout, say): that is a
-    mistake in the file, not a result."""
+    rules). `calibrate`: a pruned sweep measures this machine first when its runs need a profile it has
+    not (`calibrate_here`); any other sweep does so in `run_sweep`, after its checks. Raises SweepError
+    when nothing at all can run (an impossible layout, say): that is a mistake in the file, not a result."""
     exp = expand(spec)
     if launch.kind == "local":
         _check_local_size(spec, exp)
@@ -75,10 +81,25 @@ def plan(spec: SweepSpec, launch: Launcher, predict: bool = False) -> Expansion:
         first = exp.skipped[0]
         raise SweepError(spec.source, "grid", f"no runnable combination: all {len(exp.skipped)} expanded run(s) "
                                               f"are invalid, e.g. {describe(first)}: {first['error']}")
+    if calibrate and spec.prune:
+        exp.profile_note = calibrate_here(exp.runs, launch.kind, getattr(launch, "pool", None)) or ""
     if spec.prune or predict:
         from bench.sweep.prune import prune
         exp.warnings += prune(spec, exp, launch)
     return exp
+
+
+def calibrate_here(runs: list[RunConfig], launcher: str, pool_of=None) -> str | None:
+    """Before runs that land on this CPU machine (the local and debug launchers, no GPU here): make sure a
+    profile measured here covers their world sizes (bench.calibrate.for_this_machine: cached, or the quick
+    calibration now, on `pool_of(world)`'s warm ranks when given: the local launcher's own). Returns the line to print, None when nothing applies (Slurm tasks run elsewhere; a
+    GPU's runs are predicted on its datasheet profile)."""
+    from bench import device as bench_device
+    worlds = tuple(sorted({c.world for c in runs if c.device in ("cpu", "auto")}))
+    if launcher not in ("local", "debug") or not worlds or bench_device.accelerator() is not None:
+        return None
+    from bench.calibrate import for_this_machine
+    return for_this_machine(worlds, pool_of)[1]
 
 
 def local_rank_limit() -> int:
@@ -129,14 +150,19 @@ class PreparedSweep:
     out: Path
     launch: Launcher
     exp: Expansion
+    calibrate: bool = False
+    """Measure this machine before launching when its runs need a profile it has not (`calibrate_here`)."""
 
 
 def prepare(spec: SweepSpec, out: str | Path, launcher: str | None = None, profile: str | None = None,
-            exclusive: bool = False, max_parallel: int | None = None, predict: bool = False) -> PreparedSweep:
-    """Choose the launcher and expand the sweep (`plan`): every error of the inputs is raised here."""
+            exclusive: bool = False, max_parallel: int | None = None, predict: bool = False,
+            calibrate: bool = False, hardware=None) -> PreparedSweep:
+    """Choose the launcher and expand the sweep (`plan`): every error of the inputs is raised here.
+    `hardware`: predict every run on this profile (then nothing is calibrated)."""
     out = Path(out)
-    launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel)
-    return PreparedSweep(spec, out, launch, plan(spec, launch, predict))
+    launch = make_launcher(spec, out, launcher, profile, exclusive, max_parallel, hardware)
+    calibrate = calibrate and hardware is None
+    return PreparedSweep(spec, out, launch, plan(spec, launch, predict, calibrate), calibrate)
 
 
 def run_sweep(sweep: PreparedSweep, resume: bool = False, retry_failed: bool = False,
@@ -172,6 +198,10 @@ def run_sweep(sweep: PreparedSweep, resume: bool = False, retry_failed: bool = F
             outcome.resumed += 1  # a stored outcome outranks a prediction: keep it
             continue
         record(row)
+    note = exp.profile_note if exp.profile_note is not None else (
+        calibrate_here(todo, launch.kind, getattr(launch, "pool", None)) if sweep.calibrate else None)
+    if note:
+        print(note, file=sys.stderr)
     bar = SweepProgress(len(todo), outcome.counts, enabled=progress)
     if outcome.resumed:
         bar.log(f"resume: {outcome.resumed} run(s) already stored in {out}/runs, not launched")
@@ -256,7 +286,7 @@ class SweepProgress:
         status = row["status"]
         colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(status, "red")
         from rich.markup import escape
-        note = "" if status == Status.OK else "  " + escape(_first_line(row.get("error")))
+        note = "" if status == Status.OK else "  " + escape(first_clause(row.get("error")))
         wall = row.get("wall_s")
         self.log(f"[{self.done}/{self.total}] [{colour}]{status:9}[/] {describe(cfg)}"
                  + (f"  ({wall:.1f} s)" if wall is not None else "") + note)
@@ -267,12 +297,16 @@ class SweepProgress:
             self._progress.update(self._task, advance=advance, description=self._text())
 
 
-def _first_line(text) -> str:
+def first_clause(text, width: int = 80) -> str:
+    """A row's reason as the terminal shows it, on one line: the line that says it (a failing rank's
+    traceback: its last), up to its first clause (before `;`, `, ` or ` (`), at most `width` characters.
+    The whole text stays in the row and the report."""
     if not text:
         return ""
-    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
     line = lines[-1] if lines and lines[0].startswith("rank ") and len(lines) > 1 else (lines[0] if lines else "")
-    return line[:110]
+    clause = re.split(r";|, | \(", line, maxsplit=1)[0].strip()
+    return clause if len(clause) <= width else clause[:width - 1] + "…"
 
 
 # --- tables -----------------------------------------------------------------------------------------------
@@ -307,7 +341,7 @@ def dry_run_table(spec: SweepSpec, exp: Expansion, launch: Launcher | None = Non
     kind = launch.kind if launch is not None else spec.launcher.kind
     counts = (f"{len(exp.runs)} run(s) to launch, {len(exp.skipped)} skipped ({len(exp.pruned)} pruned), "
               f"{exp.excluded} excluded, {exp.duplicates} duplicate(s); world sizes {worlds or '-'}; launcher {kind}")
-    profiles = sorted({p.hardware for p in exp.predictions.values() if p.hardware})
+    profiles = sorted({p.profile for p in exp.predictions.values() if p.profile})
     if profiles:
         counts += f"; predicted on {', '.join(profiles)}"
     if kind == "slurm":
@@ -331,24 +365,34 @@ def _predicted(p) -> tuple[str, str, str]:
             f"{p.peak_bytes / 2**20:,.1f}" if p.peak_bytes is not None else "-")
 
 
-def summary_table(rows: list[dict], title: str):
+def summary_table(rows: list[dict], title: str, width: int = 140):
+    """One line per run: every column as wide as its widest cell, the note (a reason's first clause) what is
+    left of `width`, but no less than 60 characters (ending in … where its clause is longer); print it at
+    its own width (`table.width`)."""
     from rich.markup import escape
     from rich.table import Table
     columns = _varying(rows)
-    table = Table(title=title)
-    for name in (*columns, "status", "step ms", "tokens/s", "MFU", "peak MiB", "note"):
-        table.add_column(name, overflow="fold", max_width=60 if name == "note" else None)
     order = {s: i for i, s in enumerate(Status)}
+    cells = []
     for row in sorted(rows, key=lambda r: (order.get(r["status"], 9), str(r.get("backend")), r.get("world_size") or 0,
                                            str(r.get("tp")), str(r.get("cp")), str(r.get("pp")))):
         ok = row["status"] == Status.OK
-        colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(row["status"], "red")
-        table.add_row(*(_cell(row.get(c)) for c in columns), f"[{colour}]{row['status']}[/]",
+        cells.append([*(_cell(row.get(c)) for c in columns), row["status"],
                       f"{row['step_time_s'] * 1e3:.1f}" if ok else "",
                       f"{row['tokens_per_s']:.0f}" if ok else "",
                       f"{row['mfu']:.2%}" if ok else "",
                       f"{row['peak_mem_bytes'] / 2**20:.1f}" if ok else "",
-                      "" if ok else escape(_first_line(row.get("error"))))
+                      "" if ok else escape(first_clause(row.get("error")))])
+    names = (*columns, "status", "step ms", "tokens/s", "MFU", "peak MiB", "note")
+    widths = [max([len(name)] + [len(c[i]) for c in cells]) for i, name in enumerate(names)]
+    widths[-1] = min(widths[-1], max(60, width - sum(widths[:-1]) - 3 * len(names) - 1))  # padding, border: 3
+    table = Table(title=title, width=sum(widths) + 3 * len(names) + 1)
+    for name, w in zip(names, widths):
+        table.add_column(name, no_wrap=True, overflow="ellipsis", width=w)
+    for c in cells:
+        colour = {Status.OK: "green", Status.SKIPPED: "yellow"}.get(c[len(columns)], "red")
+        c[len(columns)] = f"[{colour}]{c[len(columns)]}[/]"
+        table.add_row(*c)
     return table
 
 

@@ -137,6 +137,8 @@ class Expansion:
     """run_id → bench.sweep.prune.Prediction, filled when the sweep is planned."""
     warnings: list = field(default_factory=list)
     """Lines to show once (e.g. why nothing could be pruned)."""
+    profile_note: str | None = None
+    """The line saying which profile the predictions use (calibrated now, or cached), when the sweep calibrated."""
 
 
 # --- the file's schema: pydantic models built from RunConfig and GPTConfig (bench/typed_yaml.py: why) -------
