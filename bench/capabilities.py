@@ -335,5 +335,6 @@ def _options(caps: Capabilities, cfg) -> str | None:
 
 
 def _who(capability: str) -> str:
-    """The backends that have a capability, for messages ('native', 'native and fsdp')."""
-    return " and ".join(name for name, caps in CAPABILITIES.items() if getattr(caps, capability))
+    """The backends that have a capability, for messages ('native', 'native and fsdp', 'a, b and c')."""
+    names = [name for name, caps in CAPABILITIES.items() if getattr(caps, capability)]
+    return " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))

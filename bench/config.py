@@ -419,6 +419,8 @@ def _normalize(cfg: RunConfig) -> None:
         object.__setattr__(cfg, "fsdp", CAPABILITIES[cfg.backend].fsdp_default)
     if cfg.seq is None:
         object.__setattr__(cfg, "seq", cfg.model_config.seq_len)
+    if cfg.order in CP_NAMED_ORDERS:  # one name per layout, so one run id: tp-cp-dp-pp is tp-dp-pp
+        object.__setattr__(cfg, "order", CP_NAMED_ORDERS[cfg.order])
     if cfg.cp == 1:  # no sequence to split: cp_comm means nothing, and cp = 1 run ids stay as they were
         object.__setattr__(cfg, "cp_comm", None)
     elif cfg.cp_comm is None and cfg.backend in CAPABILITIES:
@@ -510,9 +512,10 @@ def _model_fit_reason(cfg) -> str | None:
 def _context_reason(cfg) -> str | None:
     if cfg.cp == 1:
         return None
-    split = seq_split_reason(cfg.seq, cfg.cp)
-    if split:
-        return split
+    if cfg.cp_comm == "ulysses" and cfg.seq % cfg.cp:  # contiguous chunks (bench.data.sequence_share)
+        return f"cp ({cfg.cp}) needs seq ({cfg.seq}) divisible by cp (each rank holds one chunk); pick seq or cp to fit"
+    if cfg.cp_comm != "ulysses" and seq_split_reason(cfg.seq, cfg.cp):
+        return seq_split_reason(cfg.seq, cfg.cp)
     if cfg.sequence_parallel and (cfg.seq // cfg.cp) % cfg.tp:
         return (f"sequence_parallel with cp ({cfg.cp}) needs seq / cp ({cfg.seq // cfg.cp}) divisible by "
                 f"tp ({cfg.tp})")
@@ -523,6 +526,10 @@ def _context_reason(cfg) -> str | None:
                 return (f"cp_comm ulysses needs model {what} ({heads}) divisible by tp × cp = {cfg.tp * cfg.cp}; "
                         f"pick tp × cp dividing it, or cp_comm ring (backend {' or '.join(_ring_backends())})")
     return None
+
+
+CP_NAMED_ORDERS = {"tp-cp-pp-dp": "tp-pp-dp", "tp-cp-dp-pp": "tp-dp-pp"}
+"""The ecosystem's names of the orders that place cp next to tp, and the names every order has here."""
 
 
 def _ring_backends() -> list[str]:

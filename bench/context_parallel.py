@@ -82,8 +82,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group):
         rank, cp, chunk, acc = _ring_shape(q, group)
-        if seq_split_reason(q.shape[2] * cp, cp):  # two equal chunks per rank
-            raise ValueError(seq_split_reason(q.shape[2] * cp, cp))
+        if reason := seq_split_reason(q.shape[2] * cp, cp):  # two equal chunks per rank
+            raise ValueError(reason)
         qs, scale = _query_chunks(q, k.shape[1], acc), q.shape[-1] ** -0.5
         out, lse = [None, None], [None, None]
         kv = _flat(k, v)  # [K, V] flat (2·B·nkv·T/cp·hd,), K/V dtype: to the next cp rank, from the previous

@@ -49,8 +49,8 @@ def seq_split_reason(seq: int, cp: int) -> str | None:
 
 def zigzag_tokens(cp_rank: int, cp: int, seq: int) -> tuple[range, range]:
     """The token positions of those two chunks in a sequence of `seq` tokens (seq divisible by 2·cp)."""
-    if seq_split_reason(seq, cp):
-        raise ValueError(seq_split_reason(seq, cp))
+    if reason := seq_split_reason(seq, cp):
+        raise ValueError(reason)
     size = seq // (2 * cp)
     first, second = zigzag_chunks(cp_rank, cp)
     return range(first * size, (first + 1) * size), range(second * size, (second + 1) * size)

@@ -493,8 +493,10 @@ def test_the_summary_is_one_line_per_run():
     console.print(table)
     lines = [ln for ln in console.export_text().splitlines() if "skipped" in ln]
     assert len(lines) == 3 and all("zero=3 is incompatible" in ln and "DeepSpeed's" not in ln for ln in lines)
-    assert first_clause(reason) == "backend deepspeed: zero=3 is incompatible with pipeline parallel"
+    assert first_clause(reason) == "backend deepspeed: zero=3 is incompatible with pipeline parallel (pp=2)"
     assert first_clause("rank 1 failed:\nTraceback …\nRuntimeError: injected fault (fault=raise)") == \
-        "RuntimeError: injected fault"
+        "RuntimeError: injected fault (fault=raise)"
+    assert first_clause("cp (3) needs seq (32) divisible by 2 × cp = 6; pick seq or cp") == \
+        "cp (3) needs seq (32) divisible by 2 × cp = 6"
     assert first_clause("x" * 200).endswith("…") and len(first_clause("x" * 200)) == 80
     assert rows[0]["error"] == reason

@@ -179,21 +179,18 @@ def sharding(cfg, gpus_per_node: int | None = None) -> tuple[str, int]:
 
 
 def hybrid_shard(cfg, gpus_per_node: int | None = None) -> int:
-    """FSDP hybrid (bench.backends.fsdp.hybrid_shape): the largest divisor of the dp·cp ranks below
-    them that fits those of one node (all of them when `gpus_per_node` is None: one machine)."""
-    n = data_ranks(cfg)
-    per_node = n if gpus_per_node is None else _dp_ranks_per_node(cfg, gpus_per_node)
-    return max((d for d in range(1, n) if n % d == 0 and d <= max(per_node, 1)), default=1)
+    """FSDP hybrid's shard group (bench.backends.fsdp: `hybrid_shape` over dp, times cp): the cp ranks and
+    the largest divisor of dp below it that fits the dp ranks of one node (all of them when
+    `gpus_per_node` is None: one machine)."""
+    per_node = cfg.dp if gpus_per_node is None else _dp_ranks_per_node(cfg, gpus_per_node)
+    return cfg.cp * max((d for d in range(1, cfg.dp) if cfg.dp % d == 0 and d <= per_node), default=1)
 
 
 def _dp_ranks_per_node(cfg, gpus_per_node: int) -> int:
-    """Ranks of one dp·cp group in a node: the cp ranks sit next to the tp ranks (bench.layout), the dp
+    """Ranks of one dp group in a node: the cp ranks sit next to the tp ranks (bench.layout), the dp
     neighbours `stride` apart."""
-    inner = cfg.tp * cfg.cp
-    if gpus_per_node <= inner:
-        return max(1, gpus_per_node // cfg.tp)
-    stride = inner * (cfg.pp if cfg.order in ("tp-pp-dp", "tp-cp-pp-dp") else 1)  # distance between dp neighbours
-    return cfg.cp * max(1, min(cfg.dp, gpus_per_node // stride))
+    stride = cfg.tp * cfg.cp * (cfg.pp if cfg.order in ("tp-pp-dp", "tp-cp-pp-dp") else 1)
+    return max(1, min(cfg.dp, gpus_per_node // stride))
 
 
 # --- activations ---------------------------------------------------------------------------------

@@ -299,13 +299,13 @@ class SweepProgress:
 
 def first_clause(text, width: int = 80) -> str:
     """A row's reason as the terminal shows it, on one line: the line that says it (a failing rank's
-    traceback: its last), up to its first clause (before `;`, `, ` or ` (`), at most `width` characters.
+    traceback: its last), up to its first `;` (what is wrong; the fix follows), at most `width` characters.
     The whole text stays in the row and the report."""
     if not text:
         return ""
     lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
     line = lines[-1] if lines and lines[0].startswith("rank ") and len(lines) > 1 else (lines[0] if lines else "")
-    clause = re.split(r";|, | \(", line, maxsplit=1)[0].strip()
+    clause = line.split(";", 1)[0].strip()
     return clause if len(clause) <= width else clause[:width - 1] + "…"
 
 
