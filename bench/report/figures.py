@@ -98,15 +98,29 @@ def _heatmap_panel(ax, sub: pd.DataFrame, vmax: float, title: str, tps: list, pp
     text = pd.DataFrame("", index=values.index, columns=values.columns)
     for r in best.itertuples():
         text.loc[r.pp, r.tp] = f"{_si(r.tokens_per_s)}\n{_data_dims(r)}" if pd.notna(r.dp) else _si(r.tokens_per_s)
-    sns.heatmap(values, ax=ax, annot=text, fmt="", cmap="viridis", vmin=0, vmax=vmax, cbar=False,
-                linewidths=1, linecolor="white", annot_kws={"fontsize": 9})
+    # pcolormesh and our own labels, not sns.heatmap: seaborn draws the whole figure once per annotated
+    # panel to pick text colours, which made a 24-panel sweep's figure take a minute
+    grid = values.to_numpy()
+    mesh = ax.pcolormesh(np.ma.masked_invalid(grid), cmap="viridis", vmin=0, vmax=vmax, edgecolors="white",
+                         linewidth=1)
     for (i, pp) in enumerate(values.index):
         for (j, tp) in enumerate(values.columns):
-            if pd.isna(values.loc[pp, tp]):
+            if pd.isna(grid[i, j]):
                 ax.text(j + 0.5, i + 0.5, "not run", ha="center", va="center", fontsize=8, color="0.55")
+            else:
+                dark = _luminance(mesh.cmap(mesh.norm(grid[i, j]))) > 0.408  # seaborn's threshold
+                ax.text(j + 0.5, i + 0.5, text.loc[pp, tp], ha="center", va="center", fontsize=9,
+                        color="0.15" if dark else "white")
+    ax.set_xticks([j + 0.5 for j in range(len(tps))], [str(t) for t in tps])
+    ax.set_yticks([i + 0.5 for i in range(len(pps))], [str(p) for p in pps])
     ax.grid(False)
-    ax.invert_yaxis()
     ax.set(title=title, xlabel="tp (tensor-parallel size)", ylabel="pp (pipeline stages)")
+
+
+def _luminance(rgba) -> float:
+    """Relative luminance of an sRGB colour (WCAG 2.0): which text colour reads on a cell."""
+    lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3]]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
 
 
 def _data_dims(r) -> str:
