@@ -33,7 +33,7 @@ from pydantic.dataclasses import dataclass
 
 from bench.capabilities import CAPABILITIES, unsupported_reason
 from bench.choices import BACKENDS, CP_COMMS, DEVICES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES
-from bench.layout import DIMS, ORDERS, Layout, named_dims, seq_split_reason
+from bench.layout import ORDERS, Layout, layout_product, seq_split_reason
 from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
 
@@ -439,11 +439,6 @@ def _world_size_reason(cfg: RunConfig) -> str | None:
     if cfg.world_size is not None and cfg.world != cfg.world_size:
         return f"{layout_product(cfg)} = {cfg.world}, but world_size is {cfg.world_size}"
     return None
-
-
-def layout_product(cfg, dims=DIMS) -> str:
-    """'tp (2) × pp (2) × dp (2)' of those `dims` a config (or a Layout) has, cp named only when it is used."""
-    return " × ".join(f"{d} ({getattr(cfg, d)})" for d in named_dims(cfg.cp) if d in dims)
 
 
 # Test-only faults: name → whether it takes a number (`sleep:400`). See bench.worker for what each does.

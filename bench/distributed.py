@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bench import device as bench_device
-from bench.config import layout_product
-from bench.layout import DIMS, Layout
+from bench.layout import DIMS, Layout, layout_product
 
 
 class DeviceSetupError(ValueError):
@@ -156,6 +155,16 @@ class ProcessGroups:
 
     def size(self, dim: str) -> int:
         return getattr(self.layout, dim)
+
+    @property
+    def data_ranks(self) -> int:
+        """How many ranks a gradient is reduced over: dp × cp."""
+        return self.layout.dp * self.layout.cp
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index in the dp × cp group (its ranks sorted: the group's own order)."""
+        return self.ranks["dp_cp"].index(self.rank)
 
     def dim_of(self, group_ranks: tuple[int, ...] | list[int]) -> str:
         """Name a group by its ranks: tp, cp, pp, dp (or a sub-group of one), world, or other. The

@@ -31,6 +31,11 @@ def named_dims(cp: int) -> tuple[str, ...]:
     return DIMS if cp > 1 else ("tp", "pp", "dp")
 
 
+def layout_product(cfg, dims=DIMS) -> str:
+    """'tp (2) × pp (2) × dp (2)' of those `dims` a config (or a Layout) has, cp named only when it is used."""
+    return " × ".join(f"{d} ({getattr(cfg, d)})" for d in named_dims(cfg.cp) if d in dims)
+
+
 def zigzag_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
     """The two of the sequence's 2·cp equal chunks that rank `cp_rank` of a cp group holds: r and
     2·cp − 1 − r, so that every rank does the same causal attention work (Megatron's, Llama 3's)."""

@@ -151,10 +151,10 @@ class GroupsMpu:
         return self.g.dp_cp
 
     def get_sequence_data_parallel_world_size(self):
-        return self.g.layout.dp * self.g.layout.cp
+        return self.g.data_ranks
 
     def get_sequence_data_parallel_rank(self):
-        return sorted(self.g.ranks["dp_cp"]).index(self.g.rank)  # a group's ranks in its order
+        return self.g.data_rank
 
 
 def topology(layout):

@@ -43,8 +43,8 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
     With --model, each group also shows the ops and bytes per step it moves (other flags as `bench run`);
     with --seq (or --model) and --cp, the tokens each cp rank holds."""
     from bench.analysis.explain import explain, format_text
-    from bench.config import ConfigError, layout_product
-    from bench.layout import Layout, seq_split_reason
+    from bench.config import ConfigError
+    from bench.layout import Layout, layout_product, seq_split_reason
     lay = Layout(tp=_given(options, "tp", 1), pp=_given(options, "pp", 1), dp=_given(options, "dp", 1),
                  order=_given(options, "order", "tp-pp-dp"), cp=_given(options, "cp", 1), gpus_per_node=gpus_per_node)
     if not options["model"]:

@@ -28,7 +28,7 @@ class DataParallel:
     def __init__(self, chunks: list[nn.Module], run_cfg, groups):
         self.micro_batches, self.tp_group = run_cfg.micro_batches, groups.tp
         # dp × cp: each cp rank's gradient is the one of its share of the same sequences
-        dp, dp_rank = len(groups.ranks["dp_cp"]), groups.ranks["dp_cp"].index(groups.rank)
+        dp, dp_rank = groups.data_ranks, groups.data_rank
         params = _unique([p for chunk in reversed(chunks) for p in reversed(list(chunk.parameters()))])
         sp_ids = set()
         if run_cfg.sequence_parallel:

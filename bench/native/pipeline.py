@@ -113,14 +113,14 @@ class Pipeline:
         # test-only (fault stage_sleep:MS): every compute section also sleeps, so stage compute dominates
         self.stage_sleep_s = (parse_fault(run_cfg.fault).get("stage_sleep") or 0.0) / 1e3
         self.loss_scale = 1.0  # fp16-mixed: the trainer's dynamic loss scale (bench.loss_scale)
-        self.dp = groups.size("dp") * groups.size("cp")
+        self.data_ranks = groups.data_ranks
 
     @property
     def grad_scale(self) -> float:
         """What backward multiplies every gradient by: the loss scale (fp16-mixed), and 1/(dp·cp), so that
         the sum of the gradients over dp × cp (each cp rank's loss is the mean of an equal share of the
         tokens) is the whole batch's mean with no division after it."""
-        return self.loss_scale / self.dp
+        return self.loss_scale / self.data_ranks
 
     def _test_delay(self) -> None:
         if self.stage_sleep_s:

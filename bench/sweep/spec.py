@@ -55,9 +55,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Va
                       create_model, field_validator, model_validator)
 
 from bench.choices import BACKENDS
-from bench.layout import named_dims
+from bench.layout import layout_product, named_dims
 from bench.config import (LIST_FIELDS, MODEL_TYPES, ConfigError, RunConfig, annotation, check_number, choices, fault_reason,
-                          field_reason, layout_product)
+                          field_reason)
 from bench.config import model_config as resolve_model  # `model_config` is pydantic's name for a model's settings
 from bench.results import skipped_row
 from bench.typed_yaml import FileError, file_error, kind, load_yaml, mistake, suggest
