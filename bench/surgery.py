@@ -18,13 +18,7 @@ import torch
 import torch.nn as nn
 
 from models import Block, GPTConfig, init_fill_, init_range, init_value
-from models.config import tp_kind, tp_split_dim
-
-
-def split_dim(name: str) -> int | None:
-    """Dimension along which parameter `name` is sharded over tp (the parameter table's tp kind:
-    `models.config.tp_kind`); None when replicated."""
-    return tp_split_dim(tp_kind(name))
+from models.config import split_dim  # noqa: F401 (re-exported: the engines read the split here)
 
 
 # --- pipeline stages ---------------------------------------------------------------------------------
@@ -159,7 +153,7 @@ def fill_from_init(module: nn.Module, cfg: GPTConfig, seed: int, *, prefix: str 
 
         ZeRO-3 parameter    its flat partition (`ds_tensor`) of the full value
         DTensor             its local shard, as torch lays it out (no communication)
-        native tp layer     its slice along `split_dim(name)`: rank `tp_rank` of `tp`
+        native tp layer     its slice along `split_dim(name)`: rank `tp_rank` of `tp` (of each expert)
         plain tensor        the whole value
 
     Initial values are drawn in flat blocks (`models.init_fill_`), so a part that is one flat range of
@@ -184,10 +178,25 @@ def _fill_tp_slice(p: torch.Tensor, name: str, cfg: GPTConfig, seed: int, rank: 
         return
     shape = list(p.shape)
     shape[dim] *= tp  # the full parameter's shape
-    if dim == 0:  # rows [rank·r, (rank + 1)·r): one flat range of the full value
-        init_fill_(p, name, shape, cfg, seed, start=rank * p.numel())
+    if p.dim() == 3:  # experts (E, out, in): expert e's matrix is values [e·m, (e + 1)·m) of the full value
+        m = math.prod(shape[1:])
+        for e in range(p.shape[0]):
+            _fill_matrix_slice(p[e], name, shape, cfg, seed, rank, dim - 1, e * m)
     else:
-        p.copy_(init_value(name, shape, cfg, seed).narrow(dim, rank * p.shape[dim], p.shape[dim]))
+        _fill_matrix_slice(p, name, shape, cfg, seed, rank, dim, 0)
+
+
+def _fill_matrix_slice(out: torch.Tensor, name: str, shape: list, cfg: GPTConfig, seed: int, rank: int,
+                       dim: int, start: int) -> None:
+    """`out`: rank `rank`'s slice along `dim` of the matrix (or bias) whose values begin at flat value
+    `start` of the full value of `name` (of `shape`)."""
+    if dim == 0:  # rows [rank·r, (rank + 1)·r): one flat range
+        init_fill_(out, name, shape, cfg, seed, start=start + rank * out.numel())
+        return
+    rows, cols = out.shape
+    tp = shape[-1] // cols
+    whole = init_range(name, shape, cfg, seed, start, start + rows * cols * tp).view(rows, cols * tp)
+    out.copy_(whole.narrow(1, rank * cols, cols))
 
 
 def _fill_dtensor(p, name: str, cfg: GPTConfig, seed: int) -> None:

@@ -2,12 +2,12 @@
 
 The torch half (`models.gpt`) loads on first use (PEP 562), so `import models` and the pure
 `models.config` stay importable without torch: the planner and `bench layout` never pay for it."""
-from models.config import PRESETS, GPTConfig, count_params, flops_per_token, get_preset
+from models.config import PRESETS, GPTConfig, count_active_params, count_params, flops_per_token, get_preset
 
-_TORCH_NAMES = ("GPT", "Block", "INIT_BLOCK", "build_model", "init_fill_", "init_range", "init_value", "init_weights",
-                "loss_fn")
+_TORCH_NAMES = ("GPT", "Block", "MoE", "INIT_BLOCK", "build_model", "init_fill_", "init_range", "init_value",
+                "init_weights", "loss_fn", "loss_with_aux")
 
-__all__ = ["PRESETS", "GPTConfig", "count_params", "flops_per_token", "get_preset", *_TORCH_NAMES]
+__all__ = ["PRESETS", "GPTConfig", "count_active_params", "count_params", "flops_per_token", "get_preset", *_TORCH_NAMES]
 
 
 def __getattr__(name: str):

@@ -5,7 +5,11 @@ tensor-parallel shard (what Megatron and DTensor's Colwise/Rowwise plans expect)
 - `attn.qkv` output is laid out (kv_heads, group + 2, head_dim), group = heads / kv_heads: per K/V
   head its `group` query heads, then its k, then its v. A slice holds whole query groups with the
   K/V head they read (multi-head attention, group = 1: (heads, 3, head_dim), whole heads);
-- `mlp.fc1` output for swiglu is laid out (ffn, 2): a slice holds gate and up of the same units.
+- `mlp.fc1` output for swiglu is laid out (ffn, 2): a slice holds gate and up of the same units;
+  so are each expert's rows of `mlp.experts.fc1` (E, fc1_out, h) and `mlp.shared.fc1`.
+
+An MoE block's `mlp` is an `MoE` (router, `Experts`, optional shared MLP) in the dense MLP's slot, so
+every name outside it is unchanged.
 """
 from __future__ import annotations
 
@@ -81,26 +85,173 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+def _activate(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """The MLP's nonlinearity on fc1's output: SwiGLU on its interleaved (ffn, 2) gate and up, or GELU."""
+    if swiglu:
+        gate, up = h.view(*h.shape[:-1], -1, 2).unbind(-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh")
+
+
 class MLP(nn.Module):
+    """fc1 → activation → fc2, of inner width `ffn` (default: the config's; the shared experts': theirs)."""
+
+    def __init__(self, cfg: GPTConfig, device=None, ffn: int | None = None, bias: bool | None = None):
+        super().__init__()
+        ffn, bias = cfg.ffn_hidden if ffn is None else ffn, cfg.bias if bias is None else bias
+        self.swiglu = cfg.activation == "swiglu"
+        self.fc1 = nn.Linear(cfg.hidden, 2 * ffn if self.swiglu else ffn, bias=bias, device=device)
+        self.fc2 = nn.Linear(ffn, cfg.hidden, bias=bias, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(_activate(self.fc1(x), self.swiglu))
+
+
+# --- mixture of experts ---------------------------------------------------------------------------------
+# The aux loss's gradient is injected where the MoE output is backpropagated (Megatron's mechanism), with
+# this scale: 1.0 is right for loss.backward() of a single-process mean loss; an engine that scales the
+# loss it backpropagates (1/micro-batches, a loss scale) sets the same factor here.
+_aux_scale = 1.0
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """The factor the aux losses' gradient is given in backward (the engine's loss scaling)."""
+    global _aux_scale
+    _aux_scale = float(scale)
+
+
+def aux_loss_scale() -> float:
+    return _aux_scale
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on `out`; in backward the aux loss receives gradient `aux_loss_scale()`, so the aux term
+    joins the training loss without the engines' loss code knowing about it."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), aux_loss_scale(), dtype=torch.float32, device=grad.device)
+
+
+class Experts(nn.Module):
+    """E expert MLPs (fc1 → activation → fc2, no biases) as two stacked parameters: `fc1` (E, fc1_out, h)
+    and `fc2` (E, h, ffn). Expert e's matrices are fc1[e], fc2[e], laid out as `mlp.fc1` / `mlp.fc2`.
+
+    Contract (what an expert-parallel replacement must keep): `forward(rows, counts)` gets the routed
+    rows (N, h) sorted by expert — rows [Σ counts[:e], Σ counts[:e+1]) go to expert e, in (token, slot)
+    order within an expert — and `counts`, the host int64 (E,) rows per expert over *all* E experts;
+    it returns (N, h): row i through its expert, unweighted, in the same order. Under tensor parallel
+    each rank computes its slice of every expert (fc1's rows, fc2's columns) and returns partial sums,
+    reduced after the combine like the dense MLP. An EP replacement holds whole experts
+    [j·E/ep, (j+1)·E/ep) as `fc1`/`fc2` (same names), sends each rank its experts' rows (design: a count
+    all-to-all, then the rows), runs `compute` on what it received and sends the results back in order."""
+
     def __init__(self, cfg: GPTConfig, device=None):
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
-        self.fc1 = nn.Linear(cfg.hidden, cfg.fc1_out, bias=cfg.bias, device=device)
-        self.fc2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=cfg.bias, device=device)
+        self.fc1 = nn.Parameter(torch.empty(cfg.experts, cfg.experts_fc1_out, cfg.hidden, device=device))
+        self.fc2 = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.expert_ffn, device=device))
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.compute(rows, counts)
+
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts this module holds (len(counts) of them) on their rows, one expert after another."""
+        segments = rows.split(counts.tolist())
+        outs = [_activate(x @ self.fc1[e].t(), self.swiglu) @ self.fc2[e].t() for e, x in enumerate(segments)]
+        return torch.cat(outs) if outs else rows.new_zeros(0, self.fc2.shape[1])
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: a top-k router, `Experts`, and an always-on shared MLP when
+    cfg.shared_experts > 0. Routing is a pure function of the router weight and the token: fp32 logits
+    → softmax over the experts (or a sigmoid per expert) → top-k → weights renormalised to sum 1.
+
+    With cfg.moe_capacity_factor each expert keeps at most `cfg.expert_capacity(seq)` assignments per
+    sequence, in (position, slot) order; the rest are dropped (the residual carries them). The per-
+    sequence load-balancing loss coeff · E · Σ_e f_e · P_e (f_e: share of the sequence's assignments
+    routed to e, before dropping; P_e: mean router probability of e), averaged over sequences, rides
+    on the output (`_AttachAux`); its detached value is `last_aux_loss`. `last_tokens_per_expert`
+    (host int64 (E,), rows each expert computed) and `last_dropped` (assignments dropped) describe the
+    last forward. An engine that splits a sequence over ranks overrides `sequence_sums` and
+    `capacity_keep` (the sums and positions are the whole sequence's)."""
+
+    def __init__(self, cfg: GPTConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False, device=device)
+        self.experts = Experts(cfg, device)
+        self.shared = MLP(cfg, device, ffn=cfg.shared_ffn, bias=False) if cfg.shared_experts else None
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_tokens_per_expert: torch.Tensor | None = None
+        self.last_dropped = 0
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, h) → probs (B, T, E), top-k experts (B, T, k) and their weights (B, T, k), in fp32 at
+        least (float64 stays float64: the reference's gradient checks)."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(dtype), self.router.weight.to(dtype))
+        probs = logits.sigmoid() if self.cfg.moe_router == "sigmoid" else logits.softmax(-1)
+        top_p, top_e = probs.topk(self.cfg.moe_top_k, dim=-1)
+        return probs, top_e, top_p / top_p.sum(-1, keepdim=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.view(*h.shape[:-1], -1, 2).unbind(-1)
-            return self.fc2(F.silu(gate) * up)
-        return self.fc2(F.gelu(h, approximate="tanh"))
+        B, T, h = x.shape
+        k, E = self.cfg.moe_top_k, self.cfg.experts
+        probs, top_e, weights = self.route(x)
+        flat_e = top_e.reshape(-1)  # assignments in (token, slot) order
+        keep = self.capacity_keep(top_e)
+        kept = torch.arange(flat_e.numel(), device=x.device) if keep is None else keep.reshape(-1).nonzero().squeeze(1)
+        order = kept[torch.argsort(flat_e[kept], stable=True)]  # kept assignments sorted by expert
+        counts = torch.bincount(flat_e[order], minlength=E).cpu()
+        y = self.experts(x.reshape(B * T, h).index_select(0, order // k), counts)
+        slots = torch.zeros(B * T * k, y.shape[1], dtype=y.dtype, device=y.device).index_copy(0, order, y)
+        out = (slots.view(B, T, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(2)  # dropped slots are 0
+        if self.shared is not None:
+            out = out + self.shared(x)
+        self.last_tokens_per_expert, self.last_dropped = counts, flat_e.numel() - order.numel()
+        aux = self.aux_loss(probs, top_e)
+        self.last_aux_loss = aux.detach()
+        if torch.is_grad_enabled() and aux.requires_grad:
+            out = _AttachAux.apply(out, aux)
+        return out
+
+    def capacity_keep(self, top_e: torch.Tensor) -> torch.Tensor | None:
+        """Which assignments (B, T, k) are within their expert's capacity in this sequence, counted in
+        (position, slot) order; None when dropless."""
+        if self.cfg.moe_capacity_factor is None:
+            return None
+        B, T, k = top_e.shape
+        onehot = F.one_hot(top_e.reshape(B, T * k), self.cfg.experts)  # (B, T·k, E)
+        before = (onehot.cumsum(1) * onehot).sum(-1) - 1  # earlier assignments of the same expert
+        return (before < self.cfg.expert_capacity(T)).view(B, T, k)
+
+    def sequence_sums(self, counts: torch.Tensor, prob_sums: torch.Tensor,
+                      tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Per-sequence sums over this module's tokens → the whole sequence's, and its length. Identity
+        here; an engine that splits sequences all-reduces them over that group."""
+        return counts, prob_sums, tokens
+
+    def aux_loss(self, probs: torch.Tensor, top_e: torch.Tensor) -> torch.Tensor:
+        """coeff · mean over sequences of E · Σ_e f_e · P_e; the gradient flows through P only."""
+        coeff, E, k = self.cfg.moe_aux_loss_coeff, self.cfg.experts, self.cfg.moe_top_k
+        B, T, _ = probs.shape
+        assignments = top_e.reshape(B, T * k)
+        counts = probs.new_zeros(B, E).scatter_add_(1, assignments, probs.new_ones(B, T * k))
+        counts, prob_sums, S = self.sequence_sums(counts, probs.sum(1), T)
+        return coeff * E * ((counts / (S * k)) * (prob_sums / S)).sum(-1).mean()
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, device=None):
+    def __init__(self, cfg: GPTConfig, device=None, layer: int = 0):
         super().__init__()
         self.ln1, self.attn = _norm(cfg).to(device), Attention(cfg, device)
-        self.ln2, self.mlp = _norm(cfg).to(device), MLP(cfg, device)
+        self.ln2 = _norm(cfg).to(device)
+        self.mlp = MoE(cfg, device) if cfg.moe_layer(layer) else MLP(cfg, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -128,7 +279,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg, device)
-        self.blocks = nn.ModuleList(Block(cfg, device) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, device, i) for i in range(cfg.layers))
         self.norm = _norm(cfg).to(device)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False, device=device)
         self.tie_weights()
@@ -146,8 +297,27 @@ class GPT(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every token of the batch."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    """Mean next-token cross-entropy over every token of the batch, in fp32 at least (float64 logits
+    keep float64: the reference's gradient checks)."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.reshape(-1))
+
+
+def moe_modules(model: nn.Module) -> list["MoE"]:
+    """The MoE blocks' `mlp` modules of `model` (a GPT, a pipeline stage, a wrapper), in order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def aux_loss_total(model: nn.Module) -> torch.Tensor | float:
+    """Σ of the detached load-balancing losses of `model`'s MoE blocks in their last forward (0.0: none)."""
+    return sum((m.last_aux_loss for m in moe_modules(model) if m.last_aux_loss is not None), 0.0)
+
+
+def loss_with_aux(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The reference's training loss after `logits = model(idx)`: cross-entropy + Σ of the MoE blocks'
+    aux losses. The aux terms are added detached: their gradient already rides on the MoE outputs
+    (`_AttachAux`), so `loss_with_aux(…).backward()` differentiates exactly this value (aux scale 1)."""
+    return loss_fn(logits, targets) + aux_loss_total(model)
 
 
 # --- initial values -----------------------------------------------------------------------------------
@@ -171,7 +341,7 @@ def init_std(name: str, cfg: GPTConfig) -> float | None:
     (biases 0, norm weights 1: `init_constant`)."""
     if init_constant(name) is not None:
         return None
-    if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+    if name.endswith(("attn.proj.weight", "mlp.fc2.weight", "mlp.experts.fc2", "mlp.shared.fc2.weight")):
         return 0.02 / math.sqrt(2 * cfg.layers)
     return 0.02
 

@@ -41,7 +41,8 @@ def test_param_counts_exact_for_every_small_variant():
 # Every preset's exact count. Llama: the parameter counts of the released checkpoints (sum of the
 # tensor sizes); the GPT models: from the architecture of the cited papers (see models/config.py).
 EXACT_PARAMS = {
-    "tiny": 232_576, "tiny-gqa": 216_192, "tiny-llama": 180_800, "small": 5_280_256,
+    "tiny": 232_576, "tiny-gqa": 216_192, "tiny-llama": 180_800, "tiny-moe": 255_296, "small": 5_280_256,
+    "small-moe": 11_579_904, "mixtral-8x7b": 46_702_792_704, "mixtral-8x22b": 140_630_071_296,
     "gpt2-124m": 124_475_904, "gpt2-1.5b": 1_557_686_400,
     "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,

@@ -13,7 +13,8 @@ from models import GPT, PRESETS, get_preset
 from models.config import block_params, block_table, count_params, param_table, tp_kind
 
 TINY = get_preset("tiny")
-# Every shape variety: activation, norm, positions, biases, tying, GQA, layer counts; and every preset.
+# Every shape variety: activation, norm, positions, biases, tying, GQA, layer counts, MoE blocks (with
+# dense ones, shared experts, biases elsewhere); and every preset.
 VARIANTS = {
     "tiny": TINY,
     "swiglu-rmsnorm-rope": TINY.with_overrides(activation="swiglu", norm="rmsnorm", position="rope"),
@@ -23,6 +24,9 @@ VARIANTS = {
     "mqa-swiglu": TINY.with_overrides(kv_heads=1, activation="swiglu"),
     "one-layer": TINY.with_overrides(layers=1),
     "seven-layers-tied-rmsnorm": TINY.with_overrides(layers=7, tie_embeddings=True, norm="rmsnorm"),
+    "moe-gelu-bias-shared": TINY.with_overrides(experts=4, moe_top_k=1, shared_experts=2, bias=True, dense_layers=1),
+    "moe-swiglu-shared-all-moe": get_preset("tiny-moe").with_overrides(shared_experts=1, dense_layers=0,
+                                                                      moe_ffn_hidden=32),
     **{f"preset-{name}": cfg for name, cfg in PRESETS.items()},
 }
 
@@ -32,7 +36,11 @@ MEGATRON = {"embed.tok.weight": "vocab", "embed.pos.weight": "replicated", "ln1.
             "attn.proj.weight": "row", "attn.proj.bias": "replicated", "ln2.weight": "replicated",
             "ln2.bias": "replicated", "mlp.fc1.weight": "column", "mlp.fc1.bias": "column",
             "mlp.fc2.weight": "row", "mlp.fc2.bias": "replicated", "norm.weight": "replicated",
-            "norm.bias": "replicated", "head.weight": "vocab"}
+            "norm.bias": "replicated", "head.weight": "vocab",
+            # MoE: the router replicated; each expert (and the shared MLP) split as the dense MLP
+            "mlp.router.weight": "replicated", "mlp.experts.fc1": "column", "mlp.experts.fc2": "row",
+            "mlp.shared.fc1.weight": "column", "mlp.shared.fc2.weight": "row"}
+EXPERT_WEIGHTS = {"mlp.experts.fc1", "mlp.experts.fc2"}
 
 
 def role(name: str) -> str:
@@ -49,7 +57,10 @@ def test_the_table_is_the_models_named_parameters_in_order(cfg):
 def test_each_parameter_is_split_as_megatron_and_owned_by_its_part(cfg):
     for s in param_table(cfg, with_tied=True):
         assert s.tp == MEGATRON[role(s.name)] == tp_kind(s.name), s.name
-        assert split_dim(s.name) == {"column": 0, "vocab": 0, "row": 1}.get(s.tp), s.name
+        stacked = role(s.name) in EXPERT_WEIGHTS  # (E, out, in): each expert's matrix split as a linear's
+        assert s.ep == ("expert" if stacked else "dense"), s.name
+        want = {"column": 0, "vocab": 0, "row": 1}.get(s.tp)
+        assert split_dim(s.name) == s.split_dim == (want + 1 if stacked and want is not None else want), s.name
         if s.name.startswith("blocks."):
             assert (s.owner, s.layer) == ("block", int(s.name.split(".")[1])), s.name
         else:
@@ -71,7 +82,8 @@ def test_a_tied_head_is_listed_only_on_request_and_names_its_tensor():
 def test_counts_are_the_tables_sums(cfg):
     numel = lambda specs: sum(torch.Size(s.shape).numel() for s in specs)  # noqa: E731
     assert numel(param_table(cfg)) == count_params(cfg)
-    assert numel(block_table(cfg, 0)) == block_params(cfg)
+    for layer in range(cfg.layers):
+        assert numel(block_table(cfg, layer)) == block_params(cfg, layer)
 
 
 def test_split_dim_reads_pipeline_piece_names_and_refuses_unknown_ones():
