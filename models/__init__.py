@@ -7,7 +7,8 @@ from models.config import PRESETS, GPTConfig, count_active_params, count_params,
 _TORCH_NAMES = ("GPT", "Block", "MoE", "INIT_BLOCK", "build_model", "init_fill_", "init_range", "init_value",
                 "init_weights", "loss_fn", "loss_with_aux")
 
-__all__ = ["PRESETS", "GPTConfig", "count_active_params", "count_params", "flops_per_token", "get_preset", *_TORCH_NAMES]
+__all__ = ["PRESETS", "GPTConfig", "count_active_params", "count_params", "flops_per_token", "get_preset",
+           *_TORCH_NAMES]
 
 
 def __getattr__(name: str):
