@@ -62,6 +62,11 @@ class Capabilities:
     empty: no context parallel (cp = 1 only)."""
     cp_with_pp: bool = True
     """Context parallel together with pipeline parallel (cp > 1 and pp > 1)."""
+    ep: bool = False
+    """Expert parallel (ep > 1) belongs to this backend's design (native, FSDP2's expert mesh, DeepSpeed-MoE)."""
+    ep_implemented: bool = False
+    """Its engine runs ep > 1 today; False (with `ep`): refused as not implemented yet. The engine that adds
+    expert parallel flips this one flag."""
     recompute: tuple[str, ...] = RECOMPUTE
     """Activation recomputation modes (bench.surgery.apply_recompute)."""
     compile: str | None = "torch.compile of each block (bench.surgery.compile_blocks)"
@@ -86,18 +91,19 @@ CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (
     # Megatron-style TP × PP × DP with its own buckets and ZeRO-1 (bench/native).
     # fp16-mixed: bench.loss_scale's dynamic scaler (native, fsdp, ddp).
     Capabilities("native", zero=(0, 1), sequence_parallel=True, cp_comms=("ring",), tied_embeddings_need_one=("pp",), dtypes=DTYPES,
-                 loss_scaler=True),
+                 loss_scaler=True, ep=True),
     # DeepSpeed: ZeRO 0-3; its PipelineEngine (1F1B, ZeRO ≤ 1); the native TP layers, which shard
     # embedding and head separately; its fp16 section scales the loss.
     Capabilities("deepspeed", zero=ZERO_STAGES, pipeline_zero=(0, 1), pipeline_engine="DeepSpeed's pipeline engine",
                  schedules=("1f1b",), virtual_stages=False, dtypes=DTYPES, loss_scaler=True, cp_comms=("ulysses",),
                  cp_with_pp=False,  # its pipeline engine reduces over its grid's dp group, never dp × cp
+                 ep=True,  # DeepSpeed-MoE (deepspeed.moe)
                  tied_embeddings_need_one=("tp",), ds_set=True, compile=None,
                  no_compile_why="its engine owns the module's forward (ZeRO-3 parameter hooks, the pipeline "
                                 "engine's layers); torch.compile of blocks under it is untested here"),
     # FSDP2 (+ DTensor TP, torch.distributed.pipelining PP).
     Capabilities("fsdp", micro_batches_below_pp=False, cp_comms=("ring",), tied_embeddings_need_one=("pp",), fsdp_modes=FSDP_MODES,
-                 fsdp_default="full", dtypes=DTYPES, loss_scaler=True),
+                 fsdp_default="full", dtypes=DTYPES, loss_scaler=True, ep=True),
     # torch DistributedDataParallel: data parallel only.
     Capabilities("ddp", tp=False, pp=False, virtual_stages=False, dtypes=DTYPES, loss_scaler=True),
 )}
@@ -266,6 +272,10 @@ def _parallelism(caps: Capabilities, cfg) -> str | None:
         able = " or ".join(b for b, c in CAPABILITIES.items() if c.cp_comms and c.cp_with_pp)
         return (f"backend {name}: cp ({cfg.cp}) with pp ({cfg.pp}) is not supported ({caps.pipeline_engine} "
                 f"reduces gradients over its data-parallel group, not dp × cp); use pp = 1, or backend {able}")
+    if cfg.ep > 1 and not caps.ep:
+        return f"backend {name} has no expert parallel: needs ep = 1, got ep={cfg.ep} (backends {_who('ep')} have one)"
+    if cfg.ep > 1 and not caps.ep_implemented:
+        return f"expert parallel is not implemented on backend {name} yet: needs ep = 1, got ep={cfg.ep}"
     if cfg.sequence_parallel and not caps.sequence_parallel:
         return f"backend {name}: sequence_parallel is not supported ({_who('sequence_parallel')} engine only)"
     if cfg.model_config.tie_embeddings:

@@ -33,7 +33,7 @@ from pydantic.dataclasses import dataclass
 
 from bench.capabilities import CAPABILITIES, unsupported_reason
 from bench.choices import BACKENDS, CP_COMMS, DEVICES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES
-from bench.layout import ORDERS, Layout, layout_product, seq_split_reason
+from bench.layout import ORDERS, Layout, ep_split_reason, layout_product, seq_split_reason
 from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
 
@@ -104,6 +104,8 @@ class RunConfig:
     """context-parallel size: the sequence split over cp ranks (zig-zag chunks), attention by cp_comm"""
     cp_comm: Literal[CP_COMMS] | None = None
     """context-parallel attention: ring (K/V passed round the cp group) or ulysses (all-to-all of heads); default: the backend's"""
+    ep: Ranks = 1
+    """expert-parallel size (MoE models): the experts split over ep ranks carved from the dp × cp ranks (ep divides dp × cp; not part of the world size)"""
     pp: Ranks = 1
     """pipeline-parallel size (stages)"""
     dp: Ranks = 1
@@ -167,7 +169,7 @@ class RunConfig:
 
     @property
     def layout(self) -> Layout:
-        return Layout(tp=self.tp, pp=self.pp, dp=self.dp, order=self.order, cp=self.cp)
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp, order=self.order, cp=self.cp, ep=self.ep)
 
     @property
     def global_batch(self) -> int:
@@ -485,7 +487,7 @@ def structural_reason(shape) -> str | None:
 
     Reads only the layout and batch fields, so the planner's unvalidated candidates use it too; the
     second layer, what one backend supports, is bench.capabilities.unsupported_reason."""
-    return _model_fit_reason(shape) or _context_reason(shape) or _pipeline_reason(shape)
+    return _model_fit_reason(shape) or _context_reason(shape) or _expert_reason(shape) or _pipeline_reason(shape)
 
 
 def _model_fit_reason(cfg) -> str | None:
@@ -520,6 +522,22 @@ def _context_reason(cfg) -> str | None:
             if heads % (cfg.tp * cfg.cp):
                 return (f"cp_comm ulysses needs model {what} ({heads}) divisible by tp × cp = {cfg.tp * cfg.cp}; "
                         f"pick tp × cp dividing it, or cp_comm ring (backend {' or '.join(_ring_backends())})")
+    return None
+
+
+def _expert_reason(cfg) -> str | None:
+    if reason := ep_split_reason(cfg.dp, cfg.cp, cfg.ep):
+        return reason
+    m = cfg.model_config
+    experts = getattr(m, "experts", 0)  # GPTConfig's MoE fields (issue 25)
+    if cfg.ep > 1 and not experts:
+        return (f"ep ({cfg.ep}) > 1 needs a mixture-of-experts model, but model {cfg.model} is dense (experts = 0); "
+                "use ep 1, or an MoE model (model_overrides experts=N)")
+    if experts % cfg.ep:
+        return f"model experts ({experts}) is not divisible by ep ({cfg.ep}); pick ep from the divisors of {experts}"
+    if experts and cfg.cp > 1 and getattr(m, "moe_capacity_factor", None) is not None:
+        return (f"model moe_capacity_factor with cp ({cfg.cp}) > 1 is not supported: capacity is counted per whole "
+                "sequence, and cp splits each sequence over ranks; use cp 1, or moe_capacity_factor=none (dropless)")
     return None
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bench import device as bench_device
-from bench.layout import DIMS, Layout, layout_product
+from bench.layout import DIMS, EXPERT_DIMS, Layout, layout_product
 
 
 class DeviceSetupError(ValueError):
@@ -131,7 +131,12 @@ class ProcessGroups:
     """The ranks a gradient is reduced over: dp × cp (each cp rank saw a share of the same sequences,
     as Megatron's data-parallel group with cp); the dp group itself at cp = 1."""
     ranks: dict[str, list[int]] = field(default_factory=dict)
-    """Global ranks of this rank's tp, cp, pp, dp and dp_cp groups."""
+    """Global ranks of this rank's tp, cp, pp, dp, dp_cp, ep and edp groups."""
+    ep: dist.ProcessGroup | None = None
+    """The ranks that split the experts (bench.layout: blocks of ep inside dp × cp), over which tokens are
+    dispatched; None at ep = 1 (no group of one is made: every expert is local)."""
+    edp: dist.ProcessGroup | None = None
+    """The ranks that hold the same experts, over which expert gradients are reduced; dp_cp at ep = 1."""
 
     @classmethod
     def build(cls, layout: Layout) -> "ProcessGroups":
@@ -139,14 +144,18 @@ class ProcessGroups:
         if world != layout.world_size:
             raise RuntimeError(f"{layout_product(layout)} = {layout.world_size}, but {world} processes were started")
         mine, ranks = {}, {}
-        wanted = {dim: (dim,) for dim in DIMS} | ({"dp_cp": ("dp", "cp")} if layout.cp > 1 else {})
+        wanted = ({dim: (dim,) for dim in DIMS} | ({"dp_cp": ("dp", "cp")} if layout.cp > 1 else {})
+                  | ({dim: (dim,) for dim in EXPERT_DIMS} if layout.ep > 1 else {}))  # ep = 1: the groups of before
         for name, dims in wanted.items():  # every rank creates every group, in the same order (collective)
             for group in layout.groups(*dims):
-                pg = dist.new_group(group)
+                pg = dist.new_group(group)  # its own group even where its ranks equal another's: named by identity
                 if rank in group:
                     mine[name], ranks[name] = pg, group
         mine.setdefault("dp_cp", mine["dp"])
         ranks.setdefault("dp_cp", ranks["dp"])
+        mine.setdefault("edp", mine["dp_cp"])
+        ranks.setdefault("edp", ranks["dp_cp"])
+        ranks.setdefault("ep", [rank])
         return cls(layout=layout, rank=rank, ranks=ranks, **mine)
 
     @property
@@ -154,7 +163,7 @@ class ProcessGroups:
         return self.layout.coords(self.rank)
 
     def size(self, dim: str) -> int:
-        return getattr(self.layout, dim)
+        return self.layout.size(dim)
 
     @property
     def data_ranks(self) -> int:
@@ -166,14 +175,27 @@ class ProcessGroups:
         """This rank's index in the dp × cp group (its ranks sorted: the group's own order)."""
         return self.ranks["dp_cp"].index(self.rank)
 
+    @property
+    def group_dims(self) -> dict[str, str]:
+        """Group name → dim for the groups whose ranks may equal another dim's (the ep group's are the cp or
+        dp group's when ep = cp or ep = dp at cp = 1): the comm counter names these by identity, not ranks.
+        The expert-gradient reduction over edp counts as dp: it is data-parallel traffic."""
+        named = {"ep": self.ep, "dp": self.edp if self.layout.ep > 1 else None}
+        return {pg.group_name: dim for dim, pg in named.items() if pg is not None}
+
     def dim_of(self, group_ranks: tuple[int, ...] | list[int]) -> str:
-        """Name a group by its ranks: tp, cp, pp, dp (or a sub-group of one), world, or other. The
-        gradient reduction over dp × cp counts as dp: it is the data-parallel traffic."""
+        """Name a group by its ranks: tp, cp, pp, dp (or a sub-group of one), ep, world, or other. The
+        gradient reductions over dp × cp and over edp count as dp: they are the data-parallel traffic.
+        Where ep's ranks equal another dim's, ranks say that dim: `group_dims` names the ep group."""
         key = sorted(group_ranks)
         for dim in DIMS:
             if len(key) > 1 and key == self.ranks[dim]:
                 return dim
         if len(key) > 1 and key == self.ranks["dp_cp"]:
+            return "dp"
+        if len(key) > 1 and key == self.ranks.get("ep"):
+            return "ep"
+        if len(key) > 1 and key == self.ranks.get("edp"):
             return "dp"
         if key == list(range(self.layout.world_size)):
             return "world"

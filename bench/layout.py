@@ -13,6 +13,17 @@ every layout of cp = 1 keeps its ranks.
 
     rank = tp + TP · (cp + CP · (pp + PP · dp))        order tp-pp-dp  (= tp-cp-pp-dp)
     rank = tp + TP · (cp + CP · (dp + DP · pp))        order tp-dp-pp  (= tp-cp-dp-pp)
+
+Expert parallel (ep) does not multiply the world: as in Megatron, the expert ranks are carved from the
+dp × cp ranks of one (tp, pp) coordinate. Those ranks, sorted (cp fastest, then dp), have the data index
+d = cp + CP · dp; consecutive blocks of ep of them form an ep group (they split the experts), and the
+ranks with the same place in their block form an expert-data-parallel group, edp, of dp · cp / ep ranks
+(they hold the same experts, so their expert gradients are averaged together):
+
+    ep rank = d mod ep      edp rank = d div ep      (ep divides dp · cp)
+
+With dp = 4, cp = 1, ep = 2 (order tp-pp-dp, tp = pp = 1) the ep groups are {0, 1} and {2, 3}, the edp
+groups {0, 2} and {1, 3}; ep rank j holds experts [j · E/ep, (j + 1) · E/ep).
 """
 from __future__ import annotations
 
@@ -23,17 +34,34 @@ from typing import NamedTuple
 
 ORDERS = ("tp-pp-dp", "tp-dp-pp", "tp-cp-pp-dp", "tp-cp-dp-pp")
 DIMS = ("tp", "cp", "pp", "dp")
+EXPERT_DIMS = ("ep", "edp")
+"""Groups carved from the dp × cp ranks, not dimensions of the world: expert parallel and expert data parallel."""
 
 
-def named_dims(cp: int) -> tuple[str, ...]:
-    """The dimensions a label or a table names: cp only where it is used, so everything of cp = 1 reads
-    as it did before cp existed."""
-    return DIMS if cp > 1 else ("tp", "pp", "dp")
+def named_dims(cp: int, ep: int = 1) -> tuple[str, ...]:
+    """The dimensions a label or a table names: cp and ep only where they are used, so everything of
+    cp = 1 and ep = 1 reads as it did before they existed."""
+    return (*(DIMS if cp > 1 else ("tp", "pp", "dp")), *(("ep",) if ep > 1 else ()))
 
 
 def layout_product(cfg, dims=DIMS) -> str:
     """'tp (2) × pp (2) × dp (2)' of those `dims` a config (or a Layout) has, cp named only when it is used."""
     return " × ".join(f"{d} ({getattr(cfg, d)})" for d in named_dims(cfg.cp) if d in dims)
+
+
+def ep_split_reason(dp: int, cp: int, ep: int) -> str | None:
+    """Why `ep` cannot be carved from the dp × cp ranks, or None."""
+    if (dp * cp) % ep == 0:
+        return None
+    data = f"dp × cp = {dp} × {cp} = {dp * cp}" if cp > 1 else f"dp ({dp})"
+    return (f"ep ({ep}) must divide {data}: expert-parallel ranks are carved from the data-parallel ranks; "
+            f"pick ep from the divisors of {dp * cp}")
+
+
+def experts_held(ep_rank: int, ep: int, experts: int) -> range:
+    """The experts ep rank `ep_rank` holds: [ep_rank · E/ep, (ep_rank + 1) · E/ep)."""
+    per_rank = experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
 def zigzag_chunks(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -76,14 +104,18 @@ class Layout:
     order: str = "tp-pp-dp"
     cp: int = 1
     gpus_per_node: int = 8
+    ep: int = 1
+    """Expert-parallel size: divides dp × cp, not part of the world size."""
 
     def __post_init__(self):
-        for dim in (*DIMS, "gpus_per_node"):
+        for dim in (*DIMS, "gpus_per_node", "ep"):
             value = getattr(self, dim)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{dim} must be a positive integer, got {value!r}")
         if self.order not in ORDERS:
             raise ValueError(f"order is {self.order!r}; choose one of {', '.join(ORDERS)}")
+        if reason := ep_split_reason(self.dp, self.cp, self.ep):
+            raise ValueError(reason)
 
     @property
     def world_size(self) -> int:
@@ -117,7 +149,12 @@ class Layout:
 
     def groups(self, *dims: str) -> list[list[int]]:
         """Rank lists of every group over `dims` (ranks that differ only in those coordinates), sorted:
-        `groups("tp")`, or `groups("dp", "cp")`, the ranks a gradient is reduced over under context parallel."""
+        `groups("tp")`, or `groups("dp", "cp")`, the ranks a gradient is reduced over under context parallel;
+        `groups("ep")` and `groups("edp")`, the expert groups (alone: they are carved from dp × cp)."""
+        if any(dim in EXPERT_DIMS for dim in dims):
+            if len(dims) != 1:
+                raise ValueError(f"dims {dims}: an expert group ({' or '.join(EXPERT_DIMS)}) is asked for alone")
+            return sorted(g for data in self.groups("dp", "cp") for g in self._split_data_group(data, dims[0]))
         for dim in dims:
             if dim not in DIMS:
                 raise ValueError(f"dim is {dim!r}; choose one of {', '.join(DIMS)}")
@@ -128,9 +165,35 @@ class Layout:
         return sorted(buckets.values())
 
     def group_of(self, rank: int, dim: str) -> list[int]:
+        if dim in EXPERT_DIMS:
+            return next(g for g in self._split_data_group(self._data_group(rank), dim) if rank in g)
         stride = self._stride(dim)
         first = rank - getattr(self.coords(rank), dim) * stride
         return [first + i * stride for i in range(getattr(self, dim))]
+
+    def data_index(self, rank: int) -> int:
+        """`rank`'s place in its dp × cp group, sorted (cp fastest): cp + CP · dp."""
+        c = self.coords(rank)
+        return c.cp + self.cp * c.dp
+
+    def ep_rank(self, rank: int) -> int:
+        """`rank`'s index in its ep group: which share of the experts it holds (`experts_held`)."""
+        return self.data_index(rank) % self.ep
+
+    def edp_rank(self, rank: int) -> int:
+        """`rank`'s index in its expert-data-parallel group."""
+        return self.data_index(rank) // self.ep
+
+    def _data_group(self, rank: int) -> list[int]:
+        """The dp × cp group of `rank`, sorted: in data-index order (cp is faster than dp in every order)."""
+        c = self.coords(rank)
+        return [self.rank(dp=d, pp=c.pp, tp=c.tp, cp=k) for d in range(self.dp) for k in range(self.cp)]
+
+    def _split_data_group(self, data: list[int], dim: str) -> list[list[int]]:
+        """A sorted dp × cp group cut into its ep groups (consecutive blocks of ep) or its edp groups (the
+        ranks at the same place of every block)."""
+        blocks = [data[i:i + self.ep] for i in range(0, len(data), self.ep)]
+        return blocks if dim == "ep" else [list(ranks) for ranks in zip(*blocks)]
 
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -144,13 +207,21 @@ class Layout:
     def crossing_groups(self, dim: str) -> list[list[int]]:
         return [g for g in self.groups(dim) if self.crosses_node(g)]
 
+    def size(self, dim: str) -> int:
+        """How many ranks a `dim` group has (edp: dp · cp / ep)."""
+        return self.dp * self.cp // self.ep if dim == "edp" else getattr(self, dim)
+
     def any_group_crosses_node(self, dim: str) -> bool:
         """Whether some `dim` group spans nodes, without listing the groups (the planner asks for layouts
         of 16,384 ranks): group starts and nodes repeat every lcm(stride · size, gpus_per_node) ranks, so
-        only that span is checked."""
-        size = getattr(self, dim)
+        only that span is checked. The expert groups are walked one (tp, pp) coordinate at a time, each
+        group's ranks ascending: it crosses when its first and last ranks do."""
+        size = self.size(dim)
         if size == 1:
             return False
+        if dim in EXPERT_DIMS:
+            return any(self.node(g[0]) != self.node(g[-1]) for tp in range(self.tp) for pp in range(self.pp)
+                       for g in self._split_data_group(self._data_group(self.rank(pp=pp, tp=tp)), dim))
         stride = self._stride(dim)
         period = min(self.world_size, lcm(stride * size, self.gpus_per_node))
         return any((base // stride) % size == 0 and self.node(base) != self.node(base + (size - 1) * stride)

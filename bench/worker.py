@@ -193,7 +193,7 @@ def _measure(trainer: Trainer, trace_dir: str | None = None) -> RankResult:
         with meter:
             train(trainer.batch(extra))
     batch = trainer.batch(extra)
-    with CommCounter(dim_of=groups.dim_of) as counter, HostSyncCounter() as syncs:
+    with CommCounter.for_groups(groups) as counter, HostSyncCounter() as syncs:
         train(batch)
     extras = trainer.extras()
     if cfg.compile:

@@ -49,7 +49,7 @@ def _probe_trainer(trainer, groups, rounds: int) -> dict | None:
         timed("off")
         timed("probes", StepTimer(torch.device("cpu")))  # what wraps a timed step on CPU
         timed("meter", trainer.meter())
-        timed("counter", CommCounter(dim_of=groups.dim_of), HostSyncCounter())
+        timed("counter", CommCounter.for_groups(groups), HostSyncCounter())
     slowest = [None] * world
     dist.all_gather_object(slowest, times)
     return {k: [max(t[k][i] for t in slowest) for i in range(rounds)] for k in times} if rank == 0 else None

@@ -52,7 +52,7 @@ for name in NUMBER_FIELDS:  # sweep: the same fields as sweep-file keys (written
         if not _valid(name, text):
             case(f"sweep-base.{name}={text}", ["sweep", f"{{d}}/base-{name}-{text}.yaml", "--dry-run"],
                  f"base-{name}-{text}.yaml", f"base.{name}")
-for flag in ("--tp", "--cp", "--pp", "--dp", "--gpus-per-node", "--rack-size"):
+for flag in ("--tp", "--cp", "--pp", "--dp", "--ep", "--gpus-per-node", "--rack-size"):
     for text in BAD_VALUES:
         case(f"layout{flag}={text}", ["layout", flag, text], flag)
 # a combination a command cannot honour: an option it would ignore, or one it does not take
@@ -64,6 +64,9 @@ for flag, value in (("--fault", "raise"), ("--steps", "3"), ("--warmup", "1"), (
                     ("--timeout-s", "5"), ("--profile", None), ("--compile", None), ("--seed", "1")):
     for command in ("estimate", "layout"):
         case(f"{command}-takes-no{flag}", [command, "--model", "tiny", flag, *([value] if value else [])], flag)
+case("layout-ep-not-dividing-dp", ["layout", "--dp", "4", "--ep", "3"], "ep (3)", "dp (4)")
+case("run-ep-on-a-dense-model", ["run", "--dp", "2", "--ep", "2"], "ep (2)", "dense", "experts")
+case("layout-ep-on-a-dense-model", ["layout", "--model", "tiny", "--dp", "2", "--ep", "2"], "ep (2)", "dense")
 case("layout-world-size-contradicts", ["layout", "--tp", "2", "--pp", "2", "--dp", "2", "--world-size", "4"],
      "--world-size")
 PLAN = ["plan", "--model", "tiny", "--gpus", "8", "--hardware", "cpu", "--global-batch", "8"]

@@ -93,32 +93,34 @@ def test_prediction_check_compares_each_row_with_itself():
     assert prediction_mismatches(pd.DataFrame([failed])) == []
 
 
-def test_an_older_set_without_a_dimension_compares_equal_to_a_new_one(tmp_path):
-    """The committed baseline predates cp: its measured rows read comm_*_cp = 0 (size 1 moved nothing), as a
-    new run of the same config writes them, so the gate sees equal, never `no data`; a real cp change fails."""
+@pytest.mark.parametrize("dim, config_fields", [("cp", ("cp", "cp_comm")), ("ep", ("ep",))])
+def test_an_older_set_without_a_dimension_compares_equal_to_a_new_one(tmp_path, dim, config_fields):
+    """The committed baseline predates cp and ep: its measured rows read comm_*_cp = comm_*_ep = 0 (size 1 moved
+    nothing), as a new run of the same config writes them, so the gate sees equal, never `no data`; a real
+    change fails."""
     from pathlib import Path
     from bench.results import comm_columns
     from bench.results.store import ResultStore, load_results
     old = load_results(Path(__file__).resolve().parents[1] / "results" / "baselines" / "quickstart")
-    cp_columns = comm_columns(dims=("cp",))
+    dim_columns = comm_columns(dims=(dim,))
     ok = old["status"] == "ok"
-    assert (old.loc[ok, cp_columns] == 0).all().all() and old.loc[~ok, cp_columns].isna().all().all()
-    new = ResultStore(tmp_path / "new")  # the same rows as runs/*.json of a new parabench: cp columns written
+    assert (old.loc[ok, dim_columns] == 0).all().all() and old.loc[~ok, dim_columns].isna().all().all()
+    new = ResultStore(tmp_path / "new")  # the same rows as runs/*.json of a new parabench: the columns written
     for row in old.to_dict("records"):
         new.write({k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()})
     comparison = compare(old, load_results(tmp_path / "new"), exact_only=True)
-    cp_rows = [r for r in comparison.rows if r["metric"] in cp_columns]
-    assert cp_rows and {r["verdict"] for r in cp_rows} == {"equal"} and not comparison.regressed
-    moved = old.assign(comm_bytes_cp=old["comm_bytes_cp"].where(~ok, 64.0))
+    dim_rows = [r for r in comparison.rows if r["metric"] in dim_columns]
+    assert dim_rows and {r["verdict"] for r in dim_rows} == {"equal"} and not comparison.regressed
+    moved = old.assign(**{f"comm_bytes_{dim}": old[f"comm_bytes_{dim}"].where(~ok, 64.0)})
     assert compare(old, moved, exact_only=True).regressed
-    rows = [{k: v for k, v in r.items() if not k.endswith("_cp") and k not in ("cp", "cp_comm")}
-            for r in new.rows()]  # runs/*.json of a parabench before cp: read through the same rule
+    rows = [{k: v for k, v in r.items() if not k.endswith(f"_{dim}") and k not in config_fields}
+            for r in new.rows()]  # runs/*.json of a parabench before the dimension: read through the same rule
     older = tmp_path / "older" / "runs"
     older.mkdir(parents=True)
     for row in rows:
         (older / f"{row['run_id']}.json").write_text(json.dumps(row))
     again = load_results(tmp_path / "older")
-    assert (again.loc[again.status == "ok", cp_columns] == 0).all().all() and set(again["cp"]) == {1}
+    assert (again.loc[again.status == "ok", dim_columns] == 0).all().all() and set(again[dim]) == {1}
 
 
 # --- the gate on real runs -----------------------------------------------------------------------

@@ -231,9 +231,9 @@ def _ulysses_all_to_alls(cfg, trainer, groups) -> dict | None:
     """(ops, payload bytes) of the cp group's all-to-alls in one micro-batch's forward and its backward."""
     from bench.metrics.comm import CommCounter
     (x, y), = trainer.batch(0)
-    with CommCounter(dim_of=groups.dim_of) as forward:
+    with CommCounter.for_groups(groups) as forward:
         loss = trainer.loss(trainer.engine(x), y)
-    with CommCounter(dim_of=groups.dim_of) as backward:
+    with CommCounter.for_groups(groups) as backward:
         trainer.engine.backward(loss)
     counted = {phase: c.stats[("cp", "all_to_all")] for phase, c in (("forward", forward), ("backward", backward))}
     return {phase: (s.ops, s.bytes) for phase, s in counted.items()} if groups.rank == 0 else None

@@ -38,7 +38,7 @@ def test_config_columns_are_runconfig_fields_with_their_help():
 
 
 def test_dimension_families_expand_to_the_row_names():
-    assert comm_columns() == [f"comm_{w}_{d}" for w in ("bytes", "wire_bytes", "ops") for d in ("tp", "cp", "pp", "dp")]
+    assert comm_columns() == [f"comm_{w}_{d}" for w in ("bytes", "wire_bytes", "ops") for d in ("tp", "cp", "pp", "dp", "ep")]
     for name in comm_columns():
         assert COLUMNS[name].compare == COLUMNS[f"pred_{name}"].compare == Compare.EXACT
         assert COLUMNS[name].ranks == "mean" and COLUMNS[f"pred_{name}"].kind == Kind.PREDICTED

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bench.analysis.comm import stage_traffic
 from bench.analysis.stage_plan import stage_plan
-from bench.layout import DIMS, Layout, named_dims, zigzag_chunks, zigzag_tokens
+from bench.layout import DIMS, EXPERT_DIMS, Layout, experts_held, named_dims, zigzag_chunks, zigzag_tokens
 
 TREE_LIMIT = 64  # print every replica up to this many GPUs; beyond, the first two and the last
 
@@ -43,15 +43,19 @@ def explain(lay: Layout, rack_size: int | None = None, cfg=None, mixed_state: st
             seq: int | None = None) -> dict:
     """`ranks`, `groups`, `links` (one per group: link, nodes, with `cfg` the ops and bytes per step
     per rank), `warnings`, `replicas` (the tree: replica → stage (→ cp rank) → tp ranks and node) and,
-    with cp > 1, `sequence` (each cp rank's zig-zag chunks; their tokens given `seq` or `cfg`)."""
+    with cp > 1, `sequence` (each cp rank's zig-zag chunks; their tokens given `seq` or `cfg`). With
+    ep > 1 the ep and edp groups too, and each rank's ep rank (with `cfg`'s MoE model, the experts it holds)."""
     seq = cfg.seq if cfg is not None else seq
-    ranks = [{"rank": r, "node": lay.node(r), **lay.coords(r)._asdict()} for r in range(lay.world_size)]
-    groups = {dim: lay.groups(dim) for dim in DIMS}
+    experts = getattr(cfg.model_config, "experts", 0) if cfg is not None else 0  # GPTConfig's MoE field (issue 25)
+    dims = (*DIMS, *(EXPERT_DIMS if lay.ep > 1 else ()))
+    ranks = [{"rank": r, "node": lay.node(r), **lay.coords(r)._asdict(), **_expert_share(lay, r, experts)}
+             for r in range(lay.world_size)]
+    groups = {dim: lay.groups(dim) for dim in dims}
     plan = stage_plan(cfg) if cfg is not None else None
     traffic = {s: stage_traffic(plan, s, mixed_state) for s in range(lay.pp)} if cfg is not None else None
     links = []
-    for dim in DIMS:
-        if getattr(lay, dim) == 1:
+    for dim in dims:
+        if lay.size(dim) == 1:
             continue
         for g in groups[dim]:
             entry = {"dim": dim, "ranks": g, "nodes": _nodes(lay, g),
@@ -63,9 +67,9 @@ def explain(lay: Layout, rack_size: int | None = None, cfg=None, mixed_state: st
                                 for k in sorted({k for p in per_stage for k in p})}
                 entry["bytes_per_step"] = sum(entry["ops"].values())
             links.append(entry)
-    out = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "order": lay.order,
+    out = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "order": lay.order,
            "gpus_per_node": lay.gpus_per_node, "world_size": lay.world_size, "nodes": lay.nodes(), "ranks": ranks,
-           "groups": groups, "links": links, "warnings": warnings(lay, rack_size), "replicas": _tree(lay, seq)}
+           "groups": groups, "links": links, "warnings": warnings(lay, rack_size), "replicas": _tree(lay, seq, experts)}
     if lay.cp > 1:
         out["sequence"] = {"chunks": 2 * lay.cp, "seq": seq, "holds": [_share(c, lay.cp, seq) for c in range(lay.cp)]}
     return out
@@ -79,11 +83,22 @@ def _share(cp_rank: int, cp: int, seq: int | None) -> dict:
     return out
 
 
-def _tree(lay: Layout, seq: int | None) -> list[dict]:
-    """Replica → stage → tp ranks; with cp > 1 one entry per (stage, cp rank), with its sequence share."""
+def _expert_share(lay: Layout, rank: int, experts: int) -> dict:
+    """With ep > 1, `rank`'s ep rank and edp rank and, given the model's `experts`, the ones it holds [first, last]."""
+    if lay.ep == 1:
+        return {}
+    held = experts_held(lay.ep_rank(rank), lay.ep, experts) if experts else None
+    return ({"ep_rank": lay.ep_rank(rank), "edp_rank": lay.edp_rank(rank)}
+            | ({"experts": [held.start, held.stop - 1]} if held else {}))
+
+
+def _tree(lay: Layout, seq: int | None, experts: int = 0) -> list[dict]:
+    """Replica → stage → tp ranks; with cp > 1 one entry per (stage, cp rank), with its sequence share; with
+    ep > 1 its ep rank (the tp ranks of an entry share it)."""
     def stage(d: int, p: int, c: int) -> dict:
         g = lay.group_of(lay.rank(dp=d, pp=p, cp=c), "tp")
-        return {"pp": p, "tp_ranks": g, "nodes": _nodes(lay, g)} | (_share(c, lay.cp, seq) if lay.cp > 1 else {})
+        return ({"pp": p, "tp_ranks": g, "nodes": _nodes(lay, g)} | (_share(c, lay.cp, seq) if lay.cp > 1 else {})
+                | _expert_share(lay, g[0], experts))
     return [{"dp": d, "stages": [stage(d, p, c) for p in range(lay.pp) for c in range(lay.cp)]} for d in range(lay.dp)]
 
 
@@ -106,6 +121,12 @@ def warnings(lay: Layout, rack_size: int | None = None) -> list[str]:
         out.append(f"{len(cp_cross)} of {len(lay.groups('cp'))} cp rings leave a node (e.g. GPUs {ranges(g)} on "
                    f"nodes {ranges(_nodes(lay, g))}): their K/V passes, every layer, cross the network; "
                    f"pick tp × cp ({lay.tp * lay.cp}) dividing gpus_per_node ({lay.gpus_per_node})")
+    ep_cross = lay.crossing_groups("ep") if lay.ep > 1 else []
+    if ep_cross:
+        g = ep_cross[0]
+        out.append(f"{len(ep_cross)} of {len(lay.groups('ep'))} ep groups span nodes (e.g. GPUs {ranges(g)} on "
+                   f"nodes {ranges(_nodes(lay, g))}): their token dispatch and combine, every MoE layer, cross the "
+                   "network; pick a smaller ep, or order tp-dp-pp (dp next to tp)")
     if rack_size and lay.pp > 1:
         pairs = crossing_pp_pairs(lay, rack_size)
         if pairs:
@@ -133,6 +154,9 @@ def format_text(info: dict) -> str:
     dims = named_dims(info["cp"])
     lines = [" × ".join(f"{d}={info[d]}" for d in dims) + f" = {info['world_size']} GPUs on "
              f"{info['nodes']} node(s) of {info['gpus_per_node']}, rank order {info['order']} (fastest first)", ""]
+    if info.get("ep", 1) > 1:
+        dims = (*dims, *EXPERT_DIMS)
+        lines[-1:-1] = [_expert_line(info)]
     if "sequence" in info:
         lines += [_sequence_line(info["sequence"]), ""]
     reps = info["replicas"]
@@ -144,12 +168,13 @@ def format_text(info: dict) -> str:
         lines.append(f"data-parallel replica {rep['dp']}")
         for st in rep["stages"]:
             lines.append(f"  └ stage {st['pp']}{_cp_part(st)}: tp GPUs {ranges(st['tp_ranks'])} on node "
-                         f"{ranges(st['nodes'])}{_held(st)}")
+                         f"{ranges(st['nodes'])}{_held(st)}{_experts_part(st)}")
     lines.append("")
     for dim in dims:
         groups = info["groups"][dim]
         mine = [l for l in info["links"] if l["dim"] == dim]
-        ring = ", each a ring" if dim == "cp" else ""
+        ring = {"cp": ", each a ring", "ep": ", splitting the experts",
+                "edp": ", holding the same experts: their gradients averaged"}.get(dim, "")
         lines.append(f"{dim} groups ({len(groups)} of {len(groups[0])} GPUs{ring}):")
         if not mine:
             lines.append("  (size 1: no communication)")
@@ -173,6 +198,13 @@ def _sequence_line(sequence: dict) -> str:
     return f"sequence: {n} chunks{size}; {rule}" + ("" if seq is not None else "; --seq or --model gives the tokens")
 
 
+def _expert_line(info: dict) -> str:
+    edp = info["dp"] * info["cp"] // info["ep"]
+    data = "dp × cp" if info["cp"] > 1 else "dp"
+    return (f"ep={info['ep']} inside {data} (not in the world size): ep groups of {info['ep']} split the experts, "
+            f"edp groups of {edp} hold the same ones; ep rank = (cp + CP · dp) mod ep")
+
+
 def _cp_part(stage: dict) -> str:
     return f", cp rank {stage['cp']}" if "cp" in stage else ""
 
@@ -184,3 +216,11 @@ def _held(stage: dict) -> str:
     tokens = stage.get("tokens")
     spans = f" (tokens {', '.join(f'{a}-{b - 1}' for a, b in tokens)})" if tokens else ""
     return f", chunks {stage['chunks'][0]} and {stage['chunks'][1]}{spans}"
+
+
+def _experts_part(stage: dict) -> str:
+    """', ep rank 1 (experts 4-7)' for a stage entry under ep > 1; '' otherwise."""
+    if "ep_rank" not in stage:
+        return ""
+    held = f" (experts {stage['experts'][0]}-{stage['experts'][1]})" if "experts" in stage else ""
+    return f", ep rank {stage['ep_rank']}{held}"

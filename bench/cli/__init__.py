@@ -42,7 +42,7 @@ def run(launcher, as_json, trace_dir, no_calibrate, hardware, **options):
     note = None if no_calibrate or hw else calibrate_here([cfg], launcher)
     if note:
         click.echo(note, err=True)
-    layout = " ".join(f"{d}={getattr(cfg, d)}" for d in named_dims(cfg.cp))
+    layout = " ".join(f"{d}={getattr(cfg, d)}" for d in named_dims(cfg.cp, cfg.ep))
     click.echo(f"running {cfg.backend} {layout} ({cfg.world} ranks) run_id={cfg.run_id}", err=True)
     row = (run_debug if launcher == "debug" else run_local)(cfg, trace_dir if cfg.profile else None, hw)
     if as_json:
@@ -66,7 +66,7 @@ def _print_row(row: dict) -> None:
                f"MFU {row['mfu']:.2%}")
     click.echo(f"peak step memory {row['peak_mem_bytes'] / 2**20:.1f} MiB/rank   "
                f"persistent {row['persistent_bytes'] / 2**20:.1f} MiB/rank")
-    for dim in named_dims(row["cp"]):
+    for dim in named_dims(row["cp"], row.get("ep") or 1):
         click.echo(f"comm {dim}: {row.get(comm_column('bytes', dim), 0) / 2**20:.3f} MiB/step payload, "
                    f"{row.get(comm_column('wire_bytes', dim), 0) / 2**20:.3f} MiB wire, "
                    f"{row.get(comm_column('ops', dim), 0):.0f} ops")

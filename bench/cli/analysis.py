@@ -37,8 +37,8 @@ def _gib(n: float) -> str:
               help="with --model: check only the layout and model (what Megatron-LM could run), not this suite's backends")
 @click.option("--json", "as_json", is_flag=True, help="ranks, groups, links and warnings as JSON")
 def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
-    """Explain a tp × cp × pp × dp layout: which GPU computes which stage and holds which sequence
-    chunks, who talks to whom, over which link.
+    """Explain a tp × cp × pp × dp layout (and ep inside dp × cp): which GPU computes which stage and holds
+    which sequence chunks and experts, who talks to whom, over which link.
 
     With --model, each group also shows the ops and bytes per step it moves (other flags as `bench run`);
     with --seq (or --model) and --cp, the tokens each cp rank holds."""
@@ -46,7 +46,8 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
     from bench.config import ConfigError
     from bench.layout import Layout, layout_product, seq_split_reason
     lay = Layout(tp=_given(options, "tp", 1), pp=_given(options, "pp", 1), dp=_given(options, "dp", 1),
-                 order=_given(options, "order", "tp-pp-dp"), cp=_given(options, "cp", 1), gpus_per_node=gpus_per_node)
+                 order=_given(options, "order", "tp-pp-dp"), cp=_given(options, "cp", 1), gpus_per_node=gpus_per_node,
+                 ep=_given(options, "ep", 1))
     if not options["model"]:
         refuse_unused(options, (*LAYOUT_FIELDS, *(("seq",) if lay.cp > 1 else ())),
                       "without --model (the layout alone is explained; --seq places the chunks of --cp > 1); "

@@ -17,7 +17,7 @@ from bench.config import FIELDS, LIST_FIELDS, MAX_RANKS, RunConfig, annotation, 
 
 MODEL_FIELDS = ("model", "model_overrides")
 """Which model: a preset and its overrides."""
-LAYOUT_FIELDS = ("tp", "cp", "pp", "dp", "order", "world_size")
+LAYOUT_FIELDS = ("tp", "cp", "pp", "dp", "ep", "order", "world_size")
 """How ranks are arranged (all `bench layout` needs without a model)."""
 ENGINE_FIELDS = ("backend", "cp_comm", "zero", "fsdp", "schedule", "virtual_stages", "micro_batch", "micro_batches", "seq",
                  "dtype", "sequence_parallel", "recompute", "bucket_mb", "ds_set", "device")

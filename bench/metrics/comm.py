@@ -63,10 +63,18 @@ class OpStats:
 
 @dataclass
 class CommCounter(TorchDispatchMode):
-    """Counts every c10d op issued on this thread while active. `dim_of(ranks)` names a group."""
+    """Counts every c10d op issued on this thread while active. `dim_of(ranks)` names a group;
+    `group_dims` (group name → dim) names first the groups whose ranks can equal another dim's (the ep
+    group's are the dp group's at dp = ep): `for_groups` passes both of a ProcessGroups."""
 
     dim_of: callable = None
+    group_dims: dict = field(default_factory=dict)
     stats: dict = field(default_factory=lambda: defaultdict(OpStats))  # (dim, kind) → OpStats
+
+    @classmethod
+    def for_groups(cls, groups) -> "CommCounter":
+        """The counter of a run: its groups named as `groups` (a bench.distributed.ProcessGroups) names them."""
+        return cls(dim_of=groups.dim_of, group_dims=groups.group_dims)
 
     def __post_init__(self):
         super().__init__()
@@ -120,7 +128,8 @@ class CommCounter(TorchDispatchMode):
     def _classify(self, key: str, pg) -> tuple[str, int]:
         if key not in self._group_cache:
             ranks = dist.get_process_group_ranks(pg)
-            self._group_cache[key] = (self.dim_of(ranks) if self.dim_of else "other", len(ranks))
+            dim = self.group_dims.get(key) or (self.dim_of(ranks) if self.dim_of else "other")
+            self._group_cache[key] = (dim, len(ranks))
         return self._group_cache[key]
 
     def totals(self) -> dict[str, float]:

@@ -17,7 +17,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from bench.layout import named_dims  # noqa: E402
-from bench.report.labels import MiB, add_labels, cp_of, largest_cp  # noqa: E402
+from bench.report.labels import MiB, add_labels, cp_of, largest_cp, largest_ep  # noqa: E402
 from bench.results import Status, comm_column  # noqa: E402
 
 PALETTE = "colorblind"
@@ -194,7 +194,7 @@ def comm_breakdown(df: pd.DataFrame):
     ok = ok_runs(df, "tokens_per_s")
     if not ok.empty and "world_size" in ok:
         ok = ok[pd.to_numeric(ok["world_size"], errors="coerce").fillna(1) > 1]
-    measured = {dim: comm_column("bytes", dim) for dim in named_dims(largest_cp(ok))}
+    measured = {dim: comm_column("bytes", dim) for dim in named_dims(largest_cp(ok), largest_ep(ok))}
     if ok.empty or not any(c in ok for c in measured.values()):
         return "no successful multi-rank run with communication counts (comm_bytes_tp/pp/dp)"
     predicted = {dim: "pred_" + comm_column("bytes", dim) for dim in measured}

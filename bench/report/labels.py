@@ -35,8 +35,8 @@ def variant(row) -> str:
 
 
 def layout(row) -> str:
-    """`tp2·pp2·dp1`; `tp2·cp2·pp1·dp2` where the row uses context parallel."""
-    return "·".join(f"{d}{_int(row.get(d))}" for d in named_dims(cp_of(row)))
+    """`tp2·pp2·dp1`; `tp2·cp2·pp1·dp2` where the row uses context parallel, `tp1·pp1·dp4·ep2` expert parallel."""
+    return "·".join(f"{d}{_int(row.get(d))}" for d in named_dims(cp_of(row), ep_of(row)))
 
 
 def cp_of(row) -> int:
@@ -44,9 +44,19 @@ def cp_of(row) -> int:
     return max(_int(row.get("cp")), 1)
 
 
+def ep_of(row) -> int:
+    """A row's ep (1 in a table from before ep existed)."""
+    return max(_int(row.get("ep")), 1)
+
+
 def largest_cp(df: pd.DataFrame) -> int:
     """The largest cp of a table's rows: whether its figures and tables name cp at all."""
     return max((cp_of(r) for r in df[["cp"]].to_dict("records")), default=1) if "cp" in df else 1
+
+
+def largest_ep(df: pd.DataFrame) -> int:
+    """The largest ep of a table's rows: whether its figures name the ep group at all."""
+    return max((ep_of(r) for r in df[["ep"]].to_dict("records")), default=1) if "ep" in df else 1
 
 
 def config_label(row) -> str:

@@ -40,7 +40,7 @@ def _row(config: dict, status: Status | str, error: str | None, failed_rank: int
             "failed_rank": failed_rank, **environment()}
 
 
-HASHED_OFF_DEFAULT = {name: DEFAULTS[name] for name in ("compile", "profile", "cp", "cp_comm")}
+HASHED_OFF_DEFAULT = {name: DEFAULTS[name] for name in ("compile", "profile", "cp", "cp_comm", "ep")}
 """RunConfig fields added after the refused configs' ids were fixed → their default (left out of the hash
 while at it, so the skipped rows of older sweeps keep their ids, as RunConfig.canonical leaves out every
 default)."""

@@ -104,6 +104,9 @@ COMM_WHAT = {"bytes": ("bytes", "payload bytes per optimizer step (all-reduce in
              "wire_bytes": ("bytes", "bytes per optimizer step as a ring moves them (all-reduce 2(n−1)/n, "
                                      "all-gather and reduce-scatter (n−1)/n)"),
              "ops": ("ops", "collective and P2P ops per optimizer step")}
+COMM_DIMS = (*DIMS, "ep")
+"""The groups a row's comm columns count: the layout's dimensions and the ep group (its dispatch and combine
+all-to-alls; the expert-gradient reduction over edp is dp's, data-parallel traffic)."""
 COMM_GROUPS = ("world", "other")
 """Groups outside the layout's dimensions: the whole world (DeepSpeed's), or one that matches no dimension."""
 COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
@@ -126,7 +129,7 @@ def comm_op_column(dim: str, op: str, what: str) -> str:
     return COMM_OP.format(dim=dim, op=op, what=what)
 
 
-def comm_columns(what=tuple(COMM_WHAT), dims=DIMS) -> list[str]:
+def comm_columns(what=tuple(COMM_WHAT), dims=COMM_DIMS) -> list[str]:
     return [comm_column(w, d) for w in what for d in dims]
 
 
@@ -150,7 +153,7 @@ def _measured(name, type_, unit, meaning, ranks, compare=Compare.IGNORED, kind=N
     return Column(name, type_, meaning, kind, unit, ranks, compare, **kw)
 
 
-_COMM = [Family(COMM.format(what=what, dim="{dim}"), {"dim": DIMS},
+_COMM = [Family(COMM.format(what=what, dim="{dim}"), {"dim": COMM_DIMS},
                 _measured("", "float", unit, meaning + " in the {dim} groups", "mean", Compare.EXACT))
          for what, (unit, meaning) in COMM_WHAT.items()]
 _COMM_OUTSIDE = [Family(COMM.format(what=what, dim="{group}"), {"group": COMM_GROUPS},
@@ -158,7 +161,7 @@ _COMM_OUTSIDE = [Family(COMM.format(what=what, dim="{group}"), {"group": COMM_GR
                                   always=False))
                  for what, (unit, meaning) in COMM_WHAT.items()]
 _COMM_PER_OP = [Family(COMM_OP.format(dim="{group}", op="{op}", what=what),
-                       {"group": DIMS + COMM_GROUPS, "op": COMM_OPS},
+                       {"group": COMM_DIMS + COMM_GROUPS, "op": COMM_OPS},
                        _measured("", "float", unit, f"{what} per optimizer step of one op ({', '.join(COMM_OPS)}) in "
                                  f"one group (the breakdown of comm_{what}_*)", "mean", kind=Kind.EXACT, always=False))
                 for what, unit in (("bytes", "bytes"), ("ops", "ops"))]

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.config import DEFAULTS
-from bench.layout import DIMS
 from bench.results import ALWAYS, COLUMNS, SCHEMA_VERSION, Kind, Status, comm_columns
+from bench.results.schema import COMM_DIMS
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -235,7 +235,7 @@ def _size_one_moved_nothing(df: "pd.DataFrame") -> None:
     the config writes, so `compare` finds it equal (not `no data`). Rows without a measurement stay empty."""
     import pandas as pd
     ok = df["status"] == Status.OK
-    for dim in DIMS:
+    for dim in COMM_DIMS:
         size_one = pd.to_numeric(df[dim], errors="coerce") == 1
         for name in comm_columns(dims=(dim,)):
             values = pd.to_numeric(df[name], errors="coerce").astype("float64")

@@ -312,8 +312,9 @@ def first_clause(text, width: int = 80) -> str:
 # --- tables -----------------------------------------------------------------------------------------------
 
 def _always(rows: list[dict]) -> list[str]:
-    """The columns every table shows: backend, world size and the layout (cp where a row uses it)."""
-    return ["backend", "world_size", *named_dims(max((r.get("cp") or 1 for r in rows), default=1))]
+    """The columns every table shows: backend, world size and the layout (cp and ep where a row uses them)."""
+    largest = {dim: max((r.get(dim) or 1 for r in rows), default=1) for dim in ("cp", "ep")}
+    return ["backend", "world_size", *named_dims(largest["cp"], largest["ep"])]
 
 
 def _varying(rows: list[dict]) -> list[str]:

@@ -582,7 +582,7 @@ def _flatten(block: dict, prefix: str = ""):
 def describe(cfg: RunConfig | dict) -> str:
     """A run in a few words (progress lines, skip reasons): the layout and what sets it apart."""
     get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    text = f"{get('backend')} " + " ".join(f"{d}={get(d)}" for d in named_dims(get("cp") or 1))
+    text = f"{get('backend')} " + " ".join(f"{d}={get(d)}" for d in named_dims(get("cp") or 1, get("ep") or 1))
     if get("backend") == "deepspeed" or get("zero"):
         text += f" zero={get('zero')}"
     if get("fsdp"):

@@ -179,7 +179,7 @@ def _train_and_count(cfg, trainer, groups, steps: int) -> dict | None:
         losses.append(_global_loss(None if loss is None else loss.item()))
         if step == 0 and cfg.backend == "native" and not cfg.zero:  # under ZeRO they are the optimizer's shards
             grads = trainer.named_full_gradients()
-    with CommCounter(dim_of=groups.dim_of) as counter:  # as the worker counts: one extra step
+    with CommCounter.for_groups(groups) as counter:  # as the worker counts: one extra step
         trainer.train(trainer.batch(steps))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, counter.totals())
