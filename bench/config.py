@@ -529,13 +529,13 @@ def _expert_reason(cfg) -> str | None:
     if reason := ep_split_reason(cfg.dp, cfg.cp, cfg.ep):
         return reason
     m = cfg.model_config
-    experts = getattr(m, "experts", 0)  # GPTConfig's MoE fields (issue 25)
+    experts = m.experts
     if cfg.ep > 1 and not experts:
         return (f"ep ({cfg.ep}) > 1 needs a mixture-of-experts model, but model {cfg.model} is dense (experts = 0); "
                 "use ep 1, or an MoE model (model_overrides experts=N)")
     if experts % cfg.ep:
         return f"model experts ({experts}) is not divisible by ep ({cfg.ep}); pick ep from the divisors of {experts}"
-    if experts and cfg.cp > 1 and getattr(m, "moe_capacity_factor", None) is not None:
+    if experts and cfg.cp > 1 and m.moe_capacity_factor is not None:
         return (f"model moe_capacity_factor with cp ({cfg.cp}) > 1 is not supported: capacity is counted per whole "
                 "sequence, and cp splits each sequence over ranks; use cp 1, or moe_capacity_factor=none (dropless)")
     return None

@@ -11,10 +11,7 @@ from bench.config import ConfigError, RunConfig, structural_reason
 from bench.layout import Layout, experts_held
 from bench.report.labels import layout as layout_label
 from bench.sweep.spec import expand, parse_sweep
-from models.config import GPTConfig
 
-MOE_FIELDS = hasattr(GPTConfig, "experts")  # GPTConfig's MoE fields arrive with the model branch (issue 25)
-needs_moe = pytest.mark.skipif(not MOE_FIELDS, reason="GPTConfig has no experts field yet (moe-model branch)")
 MOE = ("experts=4",)
 
 
@@ -98,7 +95,6 @@ def test_bad_ep_is_one_line_naming_the_field(kw, match):
     assert "\n" not in str(e.value)
 
 
-@needs_moe
 @pytest.mark.parametrize("kw, match", [
     (dict(dp=4, ep=4, model_overrides=("experts=6",)), r"^model experts \(6\) is not divisible by ep \(4\)"),
     (dict(dp=2, cp=2, model_overrides=(*MOE, "moe_capacity_factor=1.25")),
@@ -109,7 +105,6 @@ def test_moe_layout_misfits_are_refused(kw, match):
         RunConfig(**kw)
 
 
-@needs_moe
 def test_every_backend_declares_expert_parallel_not_implemented_yet():
     for backend, caps in CAPABILITIES.items():
         cfg = RunConfig.unchecked(backend=backend, dp=2, ep=2, model_overrides=MOE)
@@ -150,7 +145,6 @@ def test_layout_view_shows_ep_ranks_groups_and_crossings():
     assert "ep" not in explain(Layout(dp=2, pp=8))["groups"]
 
 
-@needs_moe
 def test_layout_view_names_the_experts_each_rank_holds():
     info = explain(Layout(dp=4, ep=4), cfg=RunConfig.unchecked(dp=4, ep=4, model_overrides=MOE))
     assert [r["experts"] for r in info["ranks"]] == [[0, 0], [1, 1], [2, 2], [3, 3]]

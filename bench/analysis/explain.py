@@ -46,7 +46,7 @@ def explain(lay: Layout, rack_size: int | None = None, cfg=None, mixed_state: st
     with cp > 1, `sequence` (each cp rank's zig-zag chunks; their tokens given `seq` or `cfg`). With
     ep > 1 the ep and edp groups too, and each rank's ep rank (with `cfg`'s MoE model, the experts it holds)."""
     seq = cfg.seq if cfg is not None else seq
-    experts = getattr(cfg.model_config, "experts", 0) if cfg is not None else 0  # GPTConfig's MoE field (issue 25)
+    experts = cfg.model_config.experts if cfg is not None else 0
     dims = (*DIMS, *(EXPERT_DIMS if lay.ep > 1 else ()))
     ranks = [{"rank": r, "node": lay.node(r), **lay.coords(r)._asdict(), **_expert_share(lay, r, experts)}
              for r in range(lay.world_size)]
