@@ -56,6 +56,7 @@ class Entry:
     params: float = 0.0  # a bare parameter count (the ZeRO paper's Ψ) instead of a model
     flops: str = ""
     read_off_plot: bool = False
+    note: str = ""  # what the source leaves unprinted and what is assumed for it
 
     @property
     def family(self) -> str:
@@ -130,12 +131,13 @@ def _entry(path, where: str, group: dict, raw: dict) -> Entry:
     _check_choice(e.get("attention", "flash"), ATTENTION, f"{where}.attention", path)
     if e["unit"] == "TFLOP/s":
         _check_choice(e.get("flops"), FLOP_COUNTS, f"{where}.flops (how the source counts a step's FLOPs)", path)
-    if not isinstance(e["value"], (int, float)) or isinstance(e["value"], bool) or e["value"] <= 0:
-        raise PublishedError(f"{path}: {where}.value is {e['value']!r}; give the published figure, a number > 0")
+    for key in ("value", "params"):
+        if key in e and (not isinstance(e[key], (int, float)) or isinstance(e[key], bool) or e[key] <= 0):
+            raise PublishedError(f"{path}: {where}.{key} is {e[key]!r}; give a number > 0 (e.g. 7.5e+9)")
     common = dict(name=e["name"], source=e["source"], where=e["where"], kind=e["kind"], value=float(e["value"]),
                   unit=e["unit"], hardware=e["hardware"], mixed_state=e.get("mixed_state", "zero"),
                   impl=e.get("impl", "table2"), attention=e.get("attention", "flash"), flops=e.get("flops", ""),
-                  read_off_plot=bool(e.get("read_off_plot", False)))
+                  read_off_plot=bool(e.get("read_off_plot", False)), note=str(group.get("note", "")))
     config = {**group.get("config", {}), **e.get("config", {})}
     if "params" in e:  # a bare parameter count: model state only (the ZeRO paper's Ψ)
         if e["kind"] != "state_memory":
@@ -203,7 +205,7 @@ def _row(entry: Entry) -> dict:
            "family": entry.family, "unit": entry.unit, "published": entry.value,
            "base_unit": "s" if entry.kind == "time" else "GiB",
            "published_base": base / (1 if entry.kind == "time" else UNITS["GiB"]),
-           "read_off_plot": entry.read_off_plot, "refused": refusal(entry)}
+           "read_off_plot": entry.read_off_plot, "note": entry.note, "refused": refusal(entry)}
     if row["refused"]:
         return {**row, "predicted": None, "predicted_base": None, "error": None}
     pred = predicted(entry)

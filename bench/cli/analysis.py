@@ -266,7 +266,8 @@ def _print_validation(result: dict) -> None:
     for e in result["entries"]:
         if e["source"] != source:
             source = e["source"]
-            click.echo(f"\n{source}\n  {'entry':<38} {'family':<12} {'published':>17} {'predicted':>17} {'error':>8}   where")
+            click.echo(f"\n{source}" + (f"\n  note: {e['note']}" if e["note"] else "") +
+                       f"\n  {'entry':<38} {'family':<12} {'published':>17} {'predicted':>17} {'error':>8}   where")
         pub = f"{e['published']:,.2f} {e['unit']}"
         if e["refused"]:
             click.echo(f"  {e['name']:<38} {e['family']:<12} {pub:>17}   refused: {e['refused']}   {e['where']}")
