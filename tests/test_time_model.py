@@ -98,6 +98,19 @@ def test_a_refused_entry_is_reported_with_its_reason(tmp_path):
     assert code == 0 and "refused:" in out and "1 entries refused" in out, out
 
 
+def test_a_figure_read_off_a_plot_is_reported_apart(tmp_path):
+    path = tmp_path / "published.yaml"
+    entry = {"model": "gpt3-175b", "kind": "time", "unit": "s", "where": "x",
+             "config": {"tp": 8, "pp": 8, "micro_batches": 64, "recompute": "full"}}
+    path.write_text(yaml.safe_dump({"sources": [{"source": "a test", "hardware": "a100-80gb", "entries": [
+        {**entry, "name": "printed", "value": 18.13}, {**entry, "name": "plotted", "value": 9.0, "read_off_plot": True}]}]}))
+    result = validate(path)
+    assert result["summary"]["time"]["entries"] == 1 and result["by_source"]["a test"]["time"]["entries"] == 1
+    assert result["read_off_plot"]["a test"]["time"]["entries"] == 1
+    code, out = bench("validate", "--published", str(path), "--figure", "")
+    assert code == 0 and "(read off a plot)" in out and "read off a plot (in none of the above)" in out, out
+
+
 @pytest.mark.parametrize("change,key", [({"kind": "speed"}, "kind"), ({"unit": "furlongs"}, "unit"),
                                         ({"unit": "TFLOP/s"}, "flops"), ({"model": "gpt-9t"}, "model"),
                                         ({"where": ""}, "where"), ({"params": "lots", "kind": "state_memory"}, "params")])

@@ -194,8 +194,10 @@ def validate(path: str | Path = PUBLISHED) -> dict:
     """Every entry with its prediction and error (or why it is refused), and the mean and max |error| per
     kind, per source and per family (time and memory apart); entries read off a plot are summarised apart."""
     rows = [_row(entry) for entry in load_published(path)]
+    off_plot = [r for r in rows if r["read_off_plot"]]
     return {"file": str(path), "entries": rows, "summary": _summary(rows, "kind"),
             "by_source": _grouped(rows, "source"), "by_family": _grouped(rows, "family"),
+            "read_off_plot": _grouped([{**r, "read_off_plot": False} for r in off_plot], "source"),
             "refused": [r for r in rows if r["refused"]]}
 
 

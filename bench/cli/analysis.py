@@ -277,7 +277,10 @@ def _print_validation(result: dict) -> None:
                    f"{e['error']:>+7.1%}   {e['where']}{plot}")
     click.echo("")
     for title, table in (("per kind", {k: {"": s} for k, s in result["summary"].items()}),
-                         ("per source", result["by_source"]), ("per family", result["by_family"])):
+                         ("per source", result["by_source"]), ("per family", result["by_family"]),
+                         ("of the figures read off a plot (in none of the above)", result["read_off_plot"])):
+        if not table:
+            continue
         click.echo(f"mean / max |error| {title}:")
         for name, parts in table.items():
             for what, s in parts.items():
