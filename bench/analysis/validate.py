@@ -138,28 +138,30 @@ def _entry(path, where: str, group: dict, raw: dict) -> Entry:
                   unit=e["unit"], hardware=e["hardware"], mixed_state=e.get("mixed_state", "zero"),
                   impl=e.get("impl", "table2"), attention=e.get("attention", "flash"), flops=e.get("flops", ""),
                   read_off_plot=bool(e.get("read_off_plot", False)), note=str(group.get("note", "")))
-    config = {**group.get("config", {}), **e.get("config", {})}
+    config = _config(path, where, group, e)
     if "params" in e:  # a bare parameter count: model state only (the ZeRO paper's Ψ)
         if e["kind"] != "state_memory":
             raise PublishedError(f"{path}: {where} gives params; only a state_memory entry can (else give model)")
         return Entry(**common, shape=RunConfig.unchecked(**{**PUBLISHED_RUN, **config}), params=float(e["params"]))
-    if "model" not in e:
-        raise PublishedError(f"{path}: {where} has no 'model'; name a model preset or one of its group's models:")
-    models, techniques = group.get("models") or {}, group.get("techniques") or {}
-    if e["model"] in models:
-        config = {**group.get("config", {}), **models[e["model"]], **e.get("config", {})}
-    if "technique" in e:
-        if e["technique"] not in techniques:
-            raise PublishedError(f"{path}: {where}.technique {e['technique']!r} is not under its group's techniques:")
-        config = {**config, **techniques[e["technique"]]}
-        config = {**config, **e.get("config", {})}
-    config.setdefault("model", e["model"])
-    _check_keys(config, CANDIDATE_FIELDS, f"the config of {where}", path)
     from models.config import PRESETS
-    if config["model"] not in PRESETS:
-        raise PublishedError(f"{path}: {where}.model {config['model']!r} is neither under its group's models: "
-                             f"nor a model preset; add it to one (models/config.py for a preset)")
+    if config.get("model") not in PRESETS:
+        raise PublishedError(f"{path}: {where}.model {e.get('model')!r} is neither under its group's models: nor a "
+                             f"model preset; add it to one (models/config.py for a preset)")
     return Entry(**common, shape=RunConfig.unchecked(**{**PUBLISHED_RUN, **config}))
+
+
+def _config(path, where: str, group: dict, e: dict) -> dict:
+    """The entry's run: its group's config, then its model's (a name under the group's models:, else the
+    preset of that name), its technique's, and its own config, each over the one before."""
+    models, techniques = group.get("models") or {}, group.get("techniques") or {}
+    if "params" not in e and "model" not in e:
+        raise PublishedError(f"{path}: {where} has no 'model'; name a model preset or one of its group's models:")
+    if "technique" in e and e["technique"] not in techniques:
+        raise PublishedError(f"{path}: {where}.technique {e['technique']!r} is not under its group's techniques:")
+    model = models.get(e.get("model"), {"model": e["model"]} if "model" in e else {})
+    config = {**group.get("config", {}), **model, **techniques.get(e.get("technique"), {}), **e.get("config", {})}
+    _check_keys(config, CANDIDATE_FIELDS, f"the config of {where}", path)
+    return config
 
 
 PUBLISHED_RUN = {"dtype": "bf16-mixed", "micro_batch": 1}
