@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.analysis.estimate import CANDIDATE_FIELDS, estimate, estimate_params, model_flops_per_step
+from bench.analysis.estimate import ATTENTION_KERNELS, CANDIDATE_FIELDS, estimate, estimate_params, model_flops_per_step
 from bench.analysis.memory import sharding
 from bench.config import RunConfig, structural_reason
 
@@ -28,7 +28,6 @@ MEMORY_KINDS = KINDS[1:]
 UNITS = {"s": 1.0, "GiB": 2.0**30, "GB": 1e9, "TFLOP/s": 1e12, "tokens/s": 1.0}
 RATES = ("TFLOP/s", "tokens/s")  # per GPU; turned into seconds per iteration
 FLOP_COUNTS = ("eq3", "model")
-ATTENTION = ("flash", "unfused")
 FAMILIES = ("3D", "ZeRO-3/FSDP", "single node")
 _TOP = {"sources"}
 _GROUP_ONLY = {"models", "techniques", "entries", "note"}
@@ -83,8 +82,8 @@ class Entry:
             return cfg.tokens_per_step / cfg.world
         if self.flops == "eq3":  # Narayanan et al. 2021 eq. (3): F = 96·B·s·l·h²·(1 + s/6h + V/16lh)
             m, s, batch = cfg.model_config, cfg.seq, cfg.micro_batch * cfg.micro_batches * cfg.dp
-            flops = 96 * batch * s * m.layers * m.hidden**2 * (1 + s / (6 * m.hidden) + m.vocab / (16 * m.layers * m.hidden))
-            return flops / cfg.world
+            l, h = m.layers, m.hidden
+            return 96 * batch * s * l * h**2 * (1 + s / (6 * h) + m.vocab / (16 * l * h)) / cfg.world
         return model_flops_per_step(cfg) / cfg.world
 
 
@@ -128,7 +127,7 @@ def _entry(path, where: str, group: dict, raw: dict) -> Entry:
     where = f"{where} ({e['name']})"
     _check_choice(e["kind"], KINDS, f"{where}.kind", path)
     _check_choice(e["unit"], UNITS, f"{where}.unit", path)
-    _check_choice(e.get("attention", "flash"), ATTENTION, f"{where}.attention", path)
+    _check_choice(e.get("attention", "flash"), ATTENTION_KERNELS, f"{where}.attention", path)
     if e["unit"] == "TFLOP/s":
         _check_choice(e.get("flops"), FLOP_COUNTS, f"{where}.flops (how the source counts a step's FLOPs)", path)
     for key in ("value", "params"):

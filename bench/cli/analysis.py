@@ -74,8 +74,8 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
 @config_options(MODEL_FIELDS, LAYOUT_FIELDS, ENGINE_FIELDS)
 @click.option("--params", "n_params", type=number("params", gt=0, le=1e16), default=None,
               help="a bare parameter count (e.g. 7.5e9): model-state memory only, from --dp --zero --dtype")
-@click.option("--hardware", default=None, help="profile name (a100-80gb, h100-sxm, h200, cpu) or a YAML file: "
-                                                "adds the predicted step time, tokens/s and MFU")
+@click.option("--hardware", default=None, help="profile name (a100-80gb, h100-sxm, h100-hbm2e-500w, h200, cpu) or a "
+                                                "YAML file: adds the predicted step time, tokens/s and MFU")
 @click.option("--gpus-per-node", type=positive_int(), default=None, help="GPUs per node (default: the hardware's)")
 @_MIXED
 @_ACTS
