@@ -235,6 +235,17 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt3-175b": _megatron_gpt("gpt3-175b", 96, 12288, 96),
     "gpt-530b": _megatron_gpt("gpt-530b", 105, 20480, 128),
     "gpt-1t": _megatron_gpt("gpt-1t", 128, 25600, 160),
+    # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+    # Megatron-LM" (arXiv:2104.04473), Table 1: the weak-scaling GPTs between 1.7B and 310B (its 530B
+    # and 1T rows are gpt-530b and gpt-1t above); named by the table's parameter counts.
+    "gpt-1.7b": _megatron_gpt("gpt-1.7b", 24, 2304, 24),
+    "gpt-3.6b": _megatron_gpt("gpt-3.6b", 30, 3072, 32),
+    "gpt-7.5b": _megatron_gpt("gpt-7.5b", 36, 4096, 32),
+    "gpt-18b": _megatron_gpt("gpt-18b", 40, 6144, 48),
+    "gpt-39b": _megatron_gpt("gpt-39b", 48, 8192, 64),
+    "gpt-76b": _megatron_gpt("gpt-76b", 60, 10240, 80),
+    "gpt-145b": _megatron_gpt("gpt-145b", 80, 12288, 96),
+    "gpt-310b": _megatron_gpt("gpt-310b", 96, 16384, 128),
 }
 
 

@@ -32,11 +32,11 @@ def candidates(model: str, gpus: int, batch: int, engines: str, per_node: int = 
 def test_point_costs_agree_with_the_uncached_plan_and_memory(model, gpus, batch, engines):
     n = 0
     for _, shapes in candidates(model, gpus, batch, engines):
-        costs = _PointCosts(4, "autocast", "suite")
+        costs = _PointCosts(4, "autocast", "suite", "flash")
         for shape in shapes:
             stages = costs.plan(shape)
             assert stages == stage_plan(shape, 4, extreme_stages(shape.pp)), shape
-            assert costs.memory(stages) == memory(stages, "autocast", "suite"), shape
+            assert costs.memory(stages) == memory(stages, "autocast", "suite", "flash"), shape
             n += 1
     assert n > 300
 
@@ -112,17 +112,17 @@ def test_ranking_equals_timing_every_fitting_candidate(model, gpus, batch, engin
     ("tiny", 8, 16, "any", "cpu", "zero")])
 def test_step_floors_are_below_the_step_time(model, gpus, batch, engines, hardware, mixed_state):
     """Both bounds the ranking prunes with, the compute one and the one with the tp collectives, for every
-    candidate (fitting or not), under either time-model implementation given to both."""
+    candidate (fitting or not), under either time-model implementation and attention kernel given to both."""
     hw, n = get_hardware(hardware), 0
     for _, shapes in candidates(model, gpus, batch, engines, per_node=8):
         for shape in shapes:
             stages = stage_plan(shape, 8, extreme_stages(shape.pp))
-            for impl in ("table2", "suite"):
-                step = predict_time(stages, hw, mixed_state, impl)["step_time_s"]
-                with_tp = _step_floor(stages, hw, impl, _tp_floor(stages, hw, mixed_state))
-                assert _step_floor(stages, hw, impl) <= with_tp <= step, (impl, shape)
+            for impl, attention in (("table2", "flash"), ("table2", "unfused"), ("suite", "flash"), ("suite", "unfused")):
+                step = predict_time(stages, hw, mixed_state, impl, attention)["step_time_s"]
+                with_tp = _step_floor(stages, hw, impl, attention, _tp_floor(stages, hw, mixed_state))
+                assert _step_floor(stages, hw, impl, attention) <= with_tp <= step, (impl, attention, shape)
                 # no convention (the CLI's default): the bound under the one predict_time resolves
-                own = predict_time(stages, hw, None, impl)["step_time_s"]
-                assert _step_floor(stages, hw, impl, _tp_floor(stages, hw, None)) <= own, (impl, shape)
+                own = predict_time(stages, hw, None, impl, attention)["step_time_s"]
+                assert _step_floor(stages, hw, impl, attention, _tp_floor(stages, hw, None)) <= own, (impl, shape)
             n += 1
     assert n > 300

@@ -25,27 +25,107 @@ def bench(*args, env=None):
 
 
 # --- published runs -------------------------------------------------------------------------------
+KORTHIKANTI_SOURCE = "Korthikanti et al. 2022 (arXiv:2205.05198)"
+SOURCES = (KORTHIKANTI_SOURCE, "Narayanan et al. 2021 (arXiv:2104.04473)",
+           "Llama Team 2024, The Llama 3 Herd of Models (arXiv:2407.21783)",
+           "torchtitan, pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ 820504e",
+           "Rajbhandari et al. 2019, ZeRO (arXiv:1910.02054)")
+# The mean |error| per source and side the model had when these entries came in (2026-12-02), rounded up:
+# a budget that fails a change making them worse, never one fitted to them (issue 23's targets are
+# ≤ 8 % per source; only Korthikanti's and the ZeRO paper's reach them today).
+TODAY = {SOURCES[1]: {"time": 0.59}, SOURCES[2]: {"time": 0.35}, SOURCES[3]: {"time": 0.39, "memory": 0.45},
+         SOURCES[4]: {"memory": 0.003}}
+
+
 def test_korthikanti_error_budget():
     """Table 5 times and Figure 1 memory. Issue 11's target for the times: mean |error| below Calculon's
     3.65 %, none above 8 %. Datasheet figures and the published matmul measurements reach 3.66 % and
     6.9 % (every time within 7 %); this budget keeps them there. Memory: every entry within 5 %."""
-    s = validate()["summary"]
-    assert s["time"]["entries"] == 8 and s["time"]["mean_abs_error"] < 0.0375, s["time"]
+    s = validate()["by_source"][KORTHIKANTI_SOURCE]
+    assert s["time"]["entries"] == 8 and s["time"]["mean_abs_error"] < 0.0365, s["time"]
     assert s["time"]["max_abs_error"] <= 0.07, s["time"]
-    for kind in ("state_memory", "activation_memory"):
-        assert s[kind]["max_abs_error"] <= 0.05, (kind, s[kind])
+    assert s["memory"]["entries"] == 12 and s["memory"]["max_abs_error"] <= 0.05, s["memory"]
 
 
-def test_published_entries_name_their_source():
-    entries = load_published()
-    assert len(entries) == 20
-    assert all(e.source and e.where for e in entries)
-    assert {e.shape.model for e in entries} == {"gpt-22b", "gpt3-175b", "gpt-530b", "gpt-1t"}
+def test_every_entry_predicts_or_is_refused_with_its_reason():
+    result = validate()
+    assert len(result["entries"]) >= 50 and {r["source"] for r in result["entries"]} == set(SOURCES)
+    for r in result["entries"]:
+        assert r["source"] and r["where"], r
+        assert (r["refused"] is None) == (r["error"] is not None), r
+        if r["refused"] is None:  # the error is on the time or bytes, whatever unit the source printed
+            assert r["predicted"] > 0 and r["error"] == pytest.approx(r["predicted_base"] / r["published_base"] - 1)
+    assert {r["family"] for r in result["entries"]} == {"3D", "ZeRO-3/FSDP", "single node"}
+
+
+def test_new_sources_keep_todays_budget():
+    by_source = validate()["by_source"]
+    for source, sides in TODAY.items():
+        for side, ceiling in sides.items():
+            assert by_source[source][side]["mean_abs_error"] <= ceiling, (source, side, by_source[source][side])
+
+
+def test_a_rate_becomes_the_time_of_the_sources_own_count():
+    """Narayanan et al.'s eq. (3) counts 96·B·s·l·h²·(1 + s/6h + V/16lh) FLOPs a step: the 1T row of
+    Table 1 at 163 TFLOP/s per GPU on 3,072 GPUs is that over 3,072 × 163e12 seconds."""
+    entry = next(e for e in load_published() if e.name == "Table 1 1008.0B")
+    B, s, l, h, V = 3072, 2048, 128, 25600, 51200
+    flops = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert entry.published_base() == pytest.approx(flops / (3072 * 163e12))
+    tokens = next(e for e in load_published() if e.name == "Table 1 FSDP 8 GPUs")
+    assert tokens.published_base() == pytest.approx(16 * 8192 / (8 * 5762))  # global batch 16 of 8,192 tokens
+
+
+def test_korthikanti_entries_request_the_unfused_kernel():
+    """Their figures count the saved attention scores: under the default flash kernel the activation
+    entries would be far off (the knob, not a constant, keeps them)."""
+    assert PUBLISHED.read_text().count("attention: unfused") >= 2
+    entries = [e for e in load_published() if e.source == KORTHIKANTI_SOURCE and e.kind == "activation_memory"]
+    from dataclasses import replace
+    from bench.analysis.validate import predicted
+    moved = [predicted(replace(e, attention="flash")) / predicted(e) for e in entries]
+    assert entries and all(r < 0.8 for r in moved[:4]), moved  # the no-recompute rows: scores dominate
+
+
+def test_a_refused_entry_is_reported_with_its_reason(tmp_path):
+    bad = tmp_path / "published.yaml"
+    bad.write_text(yaml.safe_dump({"sources": [{"source": "a test", "hardware": "a100-80gb", "entries": [
+        {"name": "tp 3 of 96 heads", "model": "gpt3-175b", "kind": "time", "value": 1.0, "unit": "s",
+         "where": "nowhere", "config": {"tp": 3}}]}]}))
+    (row,) = validate(bad)["entries"]
+    assert row["refused"] and "3" in row["refused"] and row["error"] is None
+    code, out = bench("validate", "--published", str(bad), "--figure", "")
+    assert code == 0 and "refused:" in out and "1 entries refused" in out, out
+
+
+def test_a_figure_read_off_a_plot_is_reported_apart(tmp_path):
+    path = tmp_path / "published.yaml"
+    entry = {"model": "gpt3-175b", "kind": "time", "unit": "s", "where": "x",
+             "config": {"tp": 8, "pp": 8, "micro_batches": 64, "recompute": "full"}}
+    path.write_text(yaml.safe_dump({"sources": [{"source": "a test", "hardware": "a100-80gb", "entries": [
+        {**entry, "name": "printed", "value": 18.13}, {**entry, "name": "plotted", "value": 9.0, "read_off_plot": True}]}]}))
+    result = validate(path)
+    assert result["summary"]["time"]["entries"] == 1 and result["by_source"]["a test"]["time"]["entries"] == 1
+    assert result["read_off_plot"]["a test"]["time"]["entries"] == 1
+    code, out = bench("validate", "--published", str(path), "--figure", "")
+    assert code == 0 and "(read off a plot)" in out and "read off a plot (in none of the above)" in out, out
+
+
+@pytest.mark.parametrize("change,key", [({"kind": "speed"}, "kind"), ({"unit": "furlongs"}, "unit"),
+                                        ({"unit": "TFLOP/s"}, "flops"), ({"model": "gpt-9t"}, "model"),
+                                        ({"where": ""}, "where"), ({"params": "lots", "kind": "state_memory"}, "params")])
+def test_published_entry_mistakes_name_the_entry_and_key(tmp_path, change, key):
+    entry = {"name": "one", "model": "gpt3-175b", "kind": "time", "value": 1.0, "unit": "s", "where": "x", **change}
+    bad = tmp_path / "published.yaml"
+    bad.write_text(yaml.safe_dump({"sources": [{"source": "a test", "hardware": "a100-80gb", "entries": [entry]}]}))
+    with pytest.raises(PublishedError, match=key) as e:
+        load_published(bad)
+    assert "entries[0]" in str(e.value)
 
 
 def test_published_file_with_an_unknown_key(tmp_path):
     data = yaml.safe_load(PUBLISHED.read_text())
-    data["entries"][0]["micro_batchez"] = 2
+    data["sources"][0]["entries"][0]["micro_batchez"] = 2
     bad = tmp_path / "published.yaml"
     bad.write_text(yaml.safe_dump(data))
     with pytest.raises(PublishedError, match="micro_batchez"):
@@ -55,12 +135,42 @@ def test_published_file_with_an_unknown_key(tmp_path):
     assert len(out.strip().splitlines()) == 1
 
 
-def test_validate_cli_json_and_figure(tmp_path):
+def test_validate_cli_prints_every_entry_and_the_means_per_source_and_family(tmp_path):
     fig = tmp_path / "v.png"
     code, out = bench("validate", "--json", "--figure", str(fig))
     assert code == 0, out
     result = json.loads(out)
-    assert set(result["summary"]) == {"time", "state_memory", "activation_memory"} and fig.stat().st_size > 10_000
+    assert set(result["summary"]) == {"time", "state_memory", "activation_memory", "peak_memory"}
+    assert fig.stat().st_size > 10_000
+    code, text = bench("validate", "--figure", "")
+    assert code == 0, text
+    for r in result["entries"]:
+        assert r["name"] in text
+    for source, sides in result["by_source"].items():
+        for side, s in sides.items():
+            assert f"{source} · {side}: {s['entries']} entries, mean {s['mean_abs_error']:.2%}" in text
+            rows = [r for r in result["entries"] if r["source"] == source and r["error"] is not None
+                    and (r["kind"] == "time") == (side == "time")]
+            assert s["mean_abs_error"] == pytest.approx(sum(abs(r["error"]) for r in rows) / len(rows))
+    for family in ("3D", "ZeRO-3/FSDP", "single node"):
+        assert f"{family} · time:" in text
+
+
+def test_attention_kernel_knob_defaults_to_flash_for_every_backend():
+    """Unfused attention computes the whole a·s² score matrix and saves its softmax: more time and memory
+    than the flash default, under either activation model; `bench estimate --attention` chooses it."""
+    for backend, extra in (("native", {"tp": 8}), ("deepspeed", {"dp": 8, "zero": 3}), ("fsdp", {"dp": 8})):
+        shape = RunConfig.unchecked(model="llama3-8b", backend=backend, seq=8192, dtype="bf16-mixed", **extra)
+        for acts in ("suite", "table2"):
+            default = estimate(shape, "h100-sxm", activations=acts)
+            assert default == estimate(shape, "h100-sxm", activations=acts, attention="flash")
+            unfused = estimate(shape, "h100-sxm", activations=acts, attention="unfused")
+            assert default["attention"] == "flash" and unfused["attention"] == "unfused"
+            assert unfused["activation_bytes"] > 1.5 * default["activation_bytes"], (backend, acts)
+            assert unfused["compute_s"] > default["compute_s"], (backend, acts)
+    code, out = bench("estimate", "--model", "llama3-8b", "--seq", "8192", "--hardware", "h100-sxm",
+                      "--attention", "unfused", "--json")
+    assert code == 0 and json.loads(out)["attention"] == "unfused", out
 
 
 # --- the terms --------------------------------------------------------------------------------------

@@ -46,6 +46,12 @@ def default_mixed_state(cfg) -> str:
 DEFAULT_ACTIVATIONS = "suite"
 """The activation model a prediction uses unless told: this suite's GPT, as its engines run it."""
 
+ATTENTION_KERNELS = ("flash", "unfused")
+DEFAULT_ATTENTION = "flash"
+"""The attention kernel a prediction assumes unless told, for every backend and both activation models:
+a fused flash / SDPA kernel (what every engine here runs, and every engine in use today); `unfused` is
+Korthikanti et al.'s Megatron-LM (the scores materialised and saved), for that paper's table."""
+
 
 def conventions(cfg, mixed_state: str | None = None, activations: str | None = None) -> tuple[str, str, str]:
     """(state convention, activation model, time-model implementation) of a prediction of `cfg`: the
@@ -67,11 +73,12 @@ def extreme_stages(pp: int) -> list[int]:
     return sorted({0, pp - 1})
 
 
-def memory(plan: StagePlan, mixed_state: str | None = None, activations: str | None = None) -> dict:
+def memory(plan: StagePlan, mixed_state: str | None = None, activations: str | None = None,
+           attention: str | None = None) -> dict:
     """Per-rank bytes of the stage with the largest total, plus every planned stage's figures
-    (conventions not given: `conventions`' defaults)."""
+    (conventions not given: `conventions`' defaults; the attention kernel: DEFAULT_ATTENTION)."""
     mixed_state, activations, _ = conventions(plan.cfg, mixed_state, activations)
-    act = ActivationModel(activations)
+    act = ActivationModel(activations, attention or DEFAULT_ATTENTION)
     per = {s: stage_memory(plan, s, mixed_state, act) for s in plan.ranks}
     worst = max(per, key=lambda s: per[s]["total_bytes"])
     return {**per[worst], "worst_stage": worst, "stages": [per[s] for s in sorted(per)]}
@@ -111,7 +118,8 @@ def link(cfg, hw: Hardware, dim: str, gpus_per_node: int) -> tuple[float, float,
     return hw.intra_node_bw * hw.intra_node_efficiency, hw.intra_node_latency_s, "nvlink"
 
 
-def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str | None = None, impl: str | None = None) -> dict:
+def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str | None = None, impl: str | None = None,
+                 attention: str | None = None) -> dict:
     """Step time over the planned stages, term by term (bench.analysis.time_model), with the keys this
     function always had (compute_s, bubble_s, exposed_comm_s, comm_{tp,pp,dp}_s, ...); conventions not
     given: `conventions`' defaults."""
@@ -119,7 +127,7 @@ def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str | None = None, 
     mixed_state, _, default_impl = conventions(cfg, mixed_state)
     impl = impl or default_impl
     links = {d: link(cfg, hw, d, g) for d in DIMS if d != "cp" or cfg.cp > 1}  # a cp link only where cp is
-    t = step_terms(plan, hw, {d: links[d][:2] for d in links}, impl, mixed_state)
+    t = step_terms(plan, hw, {d: links[d][:2] for d in links}, impl, mixed_state, attention or DEFAULT_ATTENTION)
     step = t["step_time_s"]
     exposed = t["comm_exposed_tp_s"] + t["comm_exposed_cp_s"] + t["comm_exposed_pp_s"] + t["comm_exposed_dp_s"]
     model_flops = model_flops_per_step(cfg)
@@ -131,18 +139,21 @@ def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str | None = None, 
 
 
 def estimate(cfg, hardware: str | Hardware | None = None, gpus_per_node: int | None = None,
-             mixed_state: str | None = None, activations: str | None = None) -> dict:
+             mixed_state: str | None = None, activations: str | None = None, attention: str | None = None) -> dict:
     """Everything the cost model predicts for one config (keys: see the module docstrings); the
-    conventions not given are `conventions`' defaults, as the row's."""
+    conventions not given are `conventions`' defaults, as the row's, and the attention kernel
+    DEFAULT_ATTENTION."""
     state, activations, impl = conventions(cfg, mixed_state, activations)
+    attention = attention or DEFAULT_ATTENTION
     hw = get_hardware(hardware) if hardware is not None else None
     plan = stage_plan(cfg, gpus_per_node or (hw.gpus_per_node if hw else None))
-    out = {"mixed_state": state, "activations": activations, **memory(plan, state, activations),
+    out = {"mixed_state": state, "activations": activations, "attention": attention,
+           **memory(plan, state, activations, attention),
            **comm_summary(plan, state), "bubble_fraction": plan.step.bubble_fraction,
            "flops_per_step": model_flops_per_step(cfg), "hardware_flops_per_step": hardware_flops_per_step(cfg),
            "tokens_per_step": cfg.tokens_per_step, "world_size": cfg.world}
     if hw is not None:
-        out.update(predict_time(plan, hw, state, impl))
+        out.update(predict_time(plan, hw, state, impl, attention))
         out["memory_limit_bytes"] = hw.memory_bytes
         out["fits"] = out["total_bytes"] <= hw.memory_bytes
     return out

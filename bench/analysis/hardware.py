@@ -148,6 +148,16 @@ PROFILES: dict[str, Hardware] = {h.name: h for h in (
              match=DEVICE_PEAKS["h100-sxm"].match, memory_bw=3.35e12, matmul_efficiency=MAMF["h100-sxm"],
              sustained_clock=SUSTAINED, intra_node_efficiency=RING_EFFICIENCY["h100-sxm"],
              inter_node_efficiency=NETWORK_EFFICIENCY),
+    # H100 SXM5 with 96 GB HBM2e at a 500 W power limit: the GPUs of the torchtitan team's benchmarks
+    # (Meta's Grand Teton; pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ 820504e,
+    # "Hardware": 96GB HBM2e at 2.4 TB/sec, 400 Gb/s RDMA per GPU, NVLink within the host of 8, "the
+    # default 500W power limit"). Peak: the SXM figure, which torchtitan's MFU uses too (its footnote:
+    # "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value"); the
+    # power limit's cost is not modelled (no published measurement of this board's sustained rate).
+    Hardware("h100-hbm2e-500w", dict(DEVICE_PEAKS["h100-sxm"].flops), 96 * GiB, 450e9, 50e9,
+             memory_bw=2.4e12, matmul_efficiency=MAMF["h100-sxm"], sustained_clock=SUSTAINED,
+             intra_node_efficiency=RING_EFFICIENCY["h100-sxm"], inter_node_efficiency=NETWORK_EFFICIENCY,
+             source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100 96GB HBM2e, 500 W)"),
     # NVIDIA H200 datasheet (SXM): H100's compute, 141 GB HBM3e at 4.8 TB/s.
     Hardware("h200", dict(DEVICE_PEAKS["h200"].flops), 141 * GiB, 450e9, 50e9,
              match=DEVICE_PEAKS["h200"].match, memory_bw=4.8e12, matmul_efficiency=MAMF["h200"],

@@ -32,11 +32,11 @@ in Large Transformer Models", Table 2, with s = seq, b = micro-batch, h = hidden
 The constants assume 2-byte activations, 1-byte dropout masks and a GELU MLP of 4h. This module
 derives them term by term from the model (element bytes e, MLP width f, swiglu, and K and V at
 their grouped width kv_heads·head_dim under grouped-query attention) so that they
-reduce exactly to Table 2 in that case; `ActivationModel("suite")` describes this suite's GPT
-(no dropout, fused attention that saves no s×s matrix). Beyond the layers, the last stage holds
-the logits and the loss's fp32 softmax for the micro-batches in flight there. How many layer- and
-micro-batches each rank holds at its peak is read off the action lists its backend runs
-(`bench.analysis.stage_plan`, `bench.schedule`). With the `suite`
+reduce exactly to Table 2 in that case (`KORTHIKANTI`: dropout, unfused attention); the default
+`ActivationModel()` describes this suite's GPT (no dropout, fused attention that saves no s×s
+matrix). Beyond the layers, the last stage holds the logits and the loss's fp32 softmax for the
+micro-batches in flight there. How many layer- and micro-batches each rank holds at its peak is read
+off the action lists its backend runs (`bench.analysis.stage_plan`, `bench.schedule`). With the `suite`
 model and the `autocast` state convention, the fp32 norm inputs and the per-forward bf16 weight
 copies that torch.autocast saves are added (`_autocast_norm_inputs`, `_autocast_weight_copies`).
 
@@ -196,10 +196,13 @@ def _dp_ranks_per_node(cfg, gpus_per_node: int) -> int:
 # --- activations ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ActivationModel:
-    """`table2`: Korthikanti et al.'s assumptions (dropout, attention scores saved);
-    `suite`: this suite's GPT (no dropout, fused attention saving only its log-sum-exp)."""
+    """`name`: `table2`, Korthikanti et al.'s layers (dropout masks, the logits saved), or `suite`, this
+    suite's GPT (no dropout, the loss saving only its softmax). `attention`: the kernel, `flash` (a fused
+    flash / SDPA kernel saving only its fp32 log-sum-exp: what every engine here and in use today runs) or
+    `unfused` (the a·s² scores, their softmax and dropout saved, as Korthikanti et al.'s Table 2 counts)."""
 
-    name: str = "table2"
+    name: str = "suite"
+    attention: str = "flash"
 
     @property
     def dropout(self) -> bool:
@@ -207,7 +210,11 @@ class ActivationModel:
 
     @property
     def flash(self) -> bool:
-        return self.name == "suite"
+        return self.attention == "flash"
+
+
+KORTHIKANTI = ActivationModel("table2", "unfused")
+"""The activations of Korthikanti et al. 2022's Table 2 (Megatron-LM with its unfused attention)."""
 
 
 @lru_cache(maxsize=65536)
@@ -318,7 +325,7 @@ def stage_memory(plan, stage: int, mixed_state: str = "zero", act: ActivationMod
         per_layer += _autocast_norm_inputs(m, rank_tokens(cfg), cfg.tp, cfg.sequence_parallel)
         per_layer += 0.0 if per_step else _autocast_weight_copies(m, cfg.tp)
     head = head_activation_bytes(m, cfg.micro_batch, cfg.seq // cfg.cp, cfg.tp, cfg.sequence_parallel, prec.act,
-                                 logits_saved=not act.flash)
+                                 logits_saved=act.name == "table2")
     head_copy = 2 * head_params_local(m, cfg.tp, cfg.pp) if autocast else 0.0  # saved for its backward
     head += 0.0 if per_step else head_copy
     held_for_step = (_autocast_weight_copies(m, cfg.tp) * rank.layers + (head_copy if rank.head_in_flight else 0.0)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from bench.analysis.comm import tp_traffic
-from bench.analysis.estimate import (CANDIDATE_FIELDS, conventions, crosses_nodes, extreme_stages, link, memory,
-                                     predict_time, time_impl)
+from bench.analysis.estimate import (CANDIDATE_FIELDS, DEFAULT_ATTENTION, conventions, crosses_nodes, extreme_stages,
+                                     link, memory, predict_time, time_impl)
 from bench.analysis.hardware import Hardware, format_bytes, get_hardware
 from bench.analysis.stage_plan import StagePlan, stage_plan
 from bench.analysis.time_model import collectives_time, step_time_floor
@@ -226,8 +226,9 @@ class _PointCosts:
     functions): `stage_plan` reads neither the recomputation nor, but for FSDP hybrid's shard groups, the
     rank order; `memory` reads the rank order only through the plan's sharding."""
 
-    def __init__(self, gpus_per_node: int, mixed_state: str, activations: str):
+    def __init__(self, gpus_per_node: int, mixed_state: str, activations: str, attention: str):
         self.gpus_per_node, self.mixed_state, self.activations = gpus_per_node, mixed_state, activations
+        self.attention = attention
         self.plans, self.memories = {}, {}
 
     def plan(self, s: RunConfig) -> StagePlan:
@@ -242,18 +243,20 @@ class _PointCosts:
         s = stages.cfg
         key = (s.backend, s.zero, s.fsdp, s.recompute, stages.sharding, stages.shard)
         if key not in self.memories:
-            self.memories[key] = memory(stages, self.mixed_state, self.activations)
+            self.memories[key] = memory(stages, self.mixed_state, self.activations, self.attention)
         return self.memories[key]
 
 
 def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, global_batch: int,
          seq: int | None = None, top: int = 5, dtype: str = "bf16-mixed", mixed_state: str | None = None,
-         activations: str | None = None, memory_fraction: float = 0.9, engines: str = "suite") -> Plan:
-    """Rank every valid config by predicted tokens/s. A config fits when its per-rank total is at
+         activations: str | None = None, memory_fraction: float = 0.9, engines: str = "suite",
+         attention: str | None = None) -> Plan:
+    """Rank every valid config by predicted tokens/s (the attention kernel: DEFAULT_ATTENTION unless given). A config fits when its per-rank total is at
     most `memory_fraction` of the device memory (the rest: CUDA context, allocator, workspaces).
     `engines`: see ENGINES (with "any", backend names only label the sharding: native = ZeRO 0/1,
     deepspeed = ZeRO 2/3, fsdp = FSDP2 modes)."""
     hw = get_hardware(hardware)
+    attention = attention or DEFAULT_ATTENTION
     cfg_model = get_preset(model)
     seq = seq or cfg_model.seq_len
     for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("global_batch", global_batch),
@@ -274,7 +277,7 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
             dropped[skip] += 1
             continue
         considered += len(SHARDINGS) * len(RECOMPUTE) * len(orders)
-        costs = _PointCosts(gpus_per_node, mixed_state, activations)
+        costs = _PointCosts(gpus_per_node, mixed_state, activations, attention)
         for shape in _valid_shapes(point, orders, validate, dropped):
             valid += 1
             stages = costs.plan(shape)
@@ -283,8 +286,8 @@ def plan(model: str, gpus: int, gpus_per_node: int, hardware: str | Hardware, gl
                 dropped[f"{out_of_memory}{_largest_part(mem)})"] += 1
                 continue
             fits.append((stages, mem))
-    return Plan([_row(p.cfg, mem, time) for _, p, mem, time in _best(fits, hw, mixed_state, time_impl(activations), top)], considered,
-                valid, len(fits), dropped)
+    best = _best(fits, hw, mixed_state, time_impl(activations), top, attention)
+    return Plan([_row(p.cfg, mem, time) for _, p, mem, time in best], considered, valid, len(fits), dropped)
 
 
 def _largest_part(mem: dict) -> str:
@@ -297,9 +300,10 @@ def _rank_key(tokens_per_s: float, mem: dict, i: int) -> tuple:
     return -round(tokens_per_s, 3), mem["total_bytes"], i
 
 
-def _best(fits: list, hw: Hardware, mixed_state: str | None, impl: str, top: int) -> list[tuple]:
-    """`impl`: the time model's kernels (`time_impl`), given to the bounds and the timing alike, or a bound
-    could exceed the time it bounds (the suite's fused attention computes less than Megatron's kernels).
+def _best(fits: list, hw: Hardware, mixed_state: str | None, impl: str, top: int, attention: str) -> list[tuple]:
+    """`impl` and `attention`: the time model's kernels (`time_impl`) and attention kernel, given to the
+    bounds and the timing alike, or a bound could exceed the time it bounds (a fused attention computes
+    less than an unfused one).
     The `top` best of the fitting candidates by `_rank_key`, as (key, plan, memory, time), timing only
     what can reach them. A bound's key is never worse than its candidate's (`_step_floor` is never above
     the step time): candidates are visited best compute bound first, the search stops at the first one
@@ -310,28 +314,28 @@ def _best(fits: list, hw: Hardware, mixed_state: str | None, impl: str, top: int
         return _rank_key(plan.cfg.tokens_per_step / seconds if seconds > 0 else float("inf"), mem, i)
 
     best: list[tuple] = []
-    floors = [_step_floor(plan, hw, impl) for plan, _ in fits]
+    floors = [_step_floor(plan, hw, impl, attention) for plan, _ in fits]
     for bound, i in sorted((key(i, floors[i]), i) for i in range(len(fits))):
         if len(best) >= top and bound > best[top - 1][0]:
             break
         plan, mem = fits[i]
-        with_tp = _step_floor(plan, hw, impl, _tp_floor(plan, hw, mixed_state)) if len(best) >= top else 0.0
+        with_tp = _step_floor(plan, hw, impl, attention, _tp_floor(plan, hw, mixed_state)) if len(best) >= top else 0.0
         if len(best) >= top and key(i, with_tp) > best[top - 1][0]:
             continue
-        time = predict_time(plan, hw, mixed_state, impl)
+        time = predict_time(plan, hw, mixed_state, impl, attention)
         bisect.insort(best, (_rank_key(time["tokens_per_s"], mem, i), plan, mem, time), key=lambda r: r[0])
         del best[top:]
     return best
 
 
-def _step_floor(plan: StagePlan, hw: Hardware, impl: str, tp_s: float = 0.0) -> float:
+def _step_floor(plan: StagePlan, hw: Hardware, impl: str, attention: str, tp_s: float = 0.0) -> float:
     """A lower bound of the step time under `impl`: the busiest planned rank's micro-batch compute
     (`step_time_floor`) plus `tp_s`, at most any planned rank's tp collectives (`_tp_floor`:
     `step_terms` adds each rank's to its busy time), with the bubble over both bounded below by
     `bubble_floor` instead of simulated (no schedule is simulated for a candidate that cannot reach the
     top: the simulations were most of the planner's ranking time). The busiest rank's compute and tp
     are at least the compute of the busiest and the fewest tp seconds of any."""
-    return (step_time_floor(plan, hw, impl) + tp_s * (1 - 1e-9)) * (1 + bubble_floor(plan))
+    return (step_time_floor(plan, hw, impl, attention) + tp_s * (1 - 1e-9)) * (1 + bubble_floor(plan))
 
 
 def _tp_floor(plan: StagePlan, hw: Hardware, mixed_state: str | None) -> float:

@@ -39,9 +39,12 @@ Per step (the busiest pipeline rank sets the pace):
                 (calibrated), else Adam's bytes over the memory bandwidth
     step        busy + bubble + dp exposed + optimizer + per-step tp/pp collectives
 
-Implementations (`impl`): "table2" is Megatron-LM as in Korthikanti et al. 2022 (attention scores
-materialised, fused softmax and dropout, bias-dropout-add; the activations of its Table 2), "suite" is
-this suite's GPT (fused scaled-dot-product attention, no dropout, torch.autocast casts).
+Implementations (`impl`): "table2" is Megatron-LM as in Korthikanti et al. 2022 (fused softmax and
+dropout, bias-dropout-add; the activations of its Table 2), "suite" is this suite's GPT (no dropout,
+torch.autocast casts). The attention kernel is a knob of its own (`attention`): "flash", a fused kernel
+(flash / SDPA) that skips the causal mask's half and keeps the scores on chip, or "unfused", the scores
+materialised (QKᵀ, then softmax, then AV), as Korthikanti et al.'s Megatron-LM ran it; None: the
+implementation's own (table2: unfused, suite: flash).
 """
 from __future__ import annotations
 
@@ -130,10 +133,11 @@ def backward_gemms(mms) -> tuple[Matmul, ...]:
                                            Matmul(mm.k, mm.m, mm.n, mm.batch, mm.dtype)))
 
 
-def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
+def layer_work(cfg, impl: str, attention: str | None = None) -> tuple[Work, Work, Work]:
     """(forward, backward, attention core forward) of one transformer layer for one micro-batch on one
     tp rank. Memory-bound bytes count what each kernel reads and writes: forward y = f(x) reads x and
     writes y; backward reads x (or y) and dy and writes dx."""
+    attention = attention or own_attention(impl)
     mc, t = cfg.model_config, cfg.tp
     b, s, h, f = cfg.micro_batch, cfg.seq, mc.hidden, mc.ffn_hidden
     bs, hd, heads = rank_tokens(cfg), mc.head_dim, mc.heads // t  # context parallel: s/cp tokens a rank
@@ -144,9 +148,12 @@ def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
     ring = cfg.cp > 1 and cfg.cp_comm == "ring"
     if cfg.cp > 1 and cfg.cp_comm == "ulysses":  # after its all-to-all: the whole sequence, 1/cp of the heads
         heads //= cfg.cp
-    if impl == "table2":  # Megatron-LM: scores materialised (QKᵀ, then AV), fused kernels, dropout masks of 1 byte
-        scores = b * heads * s * s
+    fused_core = (Matmul(s, hd, s // 2, b * heads), Matmul(s, s // 2, hd, b * heads))  # causal: half the blocks
+    if impl == "table2":  # Megatron-LM: fused kernels, dropout masks of 1 byte
+        scores = b * heads * s * s  # unfused: scores materialised (QKᵀ, then AV)
         core = (Matmul(s, hd, s, b * heads), Matmul(s, s, hd, b * heads))
+        if attention == "flash":  # the scores never leave the kernel
+            core, scores = fused_core, 0
         if ring:  # TE's ring (Megatron's CP needs it): causal, zig-zag balanced, in half blocks, fused (the
             core, scores = context_parallel_core(cfg, impl)[0], 0  # scores never leave the kernel)
         soft_f = 2 * e * scores + (2 * e + 1) * scores  # scale-mask-softmax; dropout
@@ -155,10 +162,13 @@ def layer_work(cfg, impl: str) -> tuple[Work, Work, Work]:
         bwd = Work(backward_gemms(gemms + core), 2 * 3 * e * x + 2 * (2 * e + 1) * x + 3 * e * ffn + soft_b,
                    TABLE2_OPS[1])
         return fwd, bwd, Work(core, soft_f)
-    # suite: fp32 residual stream and norms, autocast casts of the norm outputs and the weights, fused
-    # attention (causal: the kernel skips the masked half of the score blocks)
-    core = (Matmul(s, hd, s // 2, b * heads), Matmul(s, s // 2, hd, b * heads))
-    core_f, core_b = Work(core), Work(backward_gemms(core))
+    # suite: fp32 residual stream and norms, autocast casts of the norm outputs and the weights; flash
+    # attention skips the masked half of the score blocks, unfused writes the scores and their softmax
+    core, scores = fused_core, 0
+    if attention == "unfused":
+        core, scores = (Matmul(s, hd, s, b * heads), Matmul(s, s, hd, b * heads)), b * heads * s * s
+    core_f = Work(core, 2 * e * scores)  # the softmax reads and writes the scores
+    core_b = Work(backward_gemms(core), 3 * e * scores)
     if ring:
         core_f, core_b = ring_core_work(cfg)
     low = dtype_key(cfg.dtype) != "fp32"
@@ -212,6 +222,12 @@ def weight_cast_bytes(cfg) -> float:
     if dtype_key(cfg.dtype) == "fp32":
         return 0.0
     return 6 * block_matmul_weights(cfg.model_config) / cfg.tp
+
+
+def own_attention(impl: str) -> str:
+    """The attention kernel an implementation runs unless told: Megatron-LM of Korthikanti et al.'s
+    unfused, this suite's SDPA fused."""
+    return "unfused" if impl == "table2" else "flash"
 
 
 def casts_weights_once(cfg, impl: str) -> bool:
@@ -333,16 +349,17 @@ class PartCosts:
 _COSTS: dict = {}
 
 
-def part_costs(cfg, hw: Hardware, impl: str) -> PartCosts:
+def part_costs(cfg, hw: Hardware, impl: str, attention: str | None = None) -> PartCosts:
     """Cached per (profile, shape of the work): the planner asks for the same layers thousands of times."""
     once = casts_weights_once(cfg, impl)
+    attention = attention or own_attention(impl)
     key = (id(hw), cfg.model_config, cfg.tp, cfg.cp, cfg.cp_comm, cfg.micro_batch, cfg.seq, cfg.sequence_parallel,
-           cfg.dtype, cfg.recompute, cfg.world, impl, once)
+           cfg.dtype, cfg.recompute, cfg.world, impl, attention, once)
     hit = _COSTS.get(key)
     if hit is not None and hit[0] is hw:  # the profile is held by the entry: its id cannot be reused
         return hit[1]
     dev = Device(hw, cfg)
-    fwd, bwd, core = layer_work(cfg, impl)
+    fwd, bwd, core = layer_work(cfg, impl, attention)
     if impl == "suite" and not once:
         fwd += Work((), weight_cast_bytes(cfg))
     redo = {"none": Work(), "selective": core, "full": fwd}[cfg.recompute]
@@ -374,18 +391,19 @@ def rank_passes(rank, c: PartCosts) -> tuple[float, float, int]:
     return f, b, ops
 
 
-def step_time_floor(plan, hw: Hardware, impl: str = "table2") -> float:
+def step_time_floor(plan, hw: Hardware, impl: str = "table2", attention: str | None = None) -> float:
     """A lower bound of `step_terms`' step time without its traffic, optimizer or bubble: the busiest
     planned rank's micro-batch compute (every other term, the once-a-step upkeep and the bubble only add
     to it). The planner times a candidate only when this bound could still reach its top; 1e-9 below,
     so that no rounding can put it above the step time."""
-    c, m = part_costs(plan.cfg, hw, impl), plan.cfg.micro_batches
+    c, m = part_costs(plan.cfg, hw, impl, attention), plan.cfg.micro_batches
     return max(m * (f + b) for f, b, _ in (rank_passes(rank, c) for rank in plan.ranks.values())) * (1 - 1e-9)
 
 
-def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_state: str) -> StageTime:
+def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_state: str,
+               attention: str | None = None) -> StageTime:
     cfg, rank = plan.cfg, plan.ranks[stage]
-    m, c = cfg.micro_batches, part_costs(plan.cfg, hw, impl)
+    m, c = cfg.micro_batches, part_costs(plan.cfg, hw, impl, attention)
     f, b, ops = rank_passes(rank, c)
     traffic = tuple(stage_traffic(plan, stage, mixed_state))
     if impl == "table2":
@@ -557,12 +575,13 @@ def optimizer_time(plan, stage: int, hw: Hardware) -> float:
     return n * ADAM_BYTES_PER_PARAM / hw.memory_bw if hw.memory_bw else 0.0
 
 
-def step_terms(plan, hw: Hardware, links: dict, impl: str = "table2", mixed_state: str = "zero") -> dict:
+def step_terms(plan, hw: Hardware, links: dict, impl: str = "table2", mixed_state: str = "zero",
+               attention: str | None = None) -> dict:
     """Every term of the step (TERMS) for the busiest planned pipeline rank, plus its total."""
     cfg = plan.cfg
     best = None
     for stage in plan.ranks:
-        st = stage_time(plan, stage, hw, links, impl, mixed_state)
+        st = stage_time(plan, stage, hw, links, impl, mixed_state, attention)
         per_step = [tr for tr in st.traffic if tr.per == "step" and tr.dim in ("tp", "pp")]
         tp_step = collectives_time([tr for tr in per_step if tr.dim == "tp"], hw, links, cfg.world)
         pp_step = collectives_time([tr for tr in per_step if tr.dim == "pp"], hw, links, cfg.world)

@@ -17,6 +17,10 @@ _ACTS = click.option("--activations", type=click.Choice(["table2", "suite"]), de
                      help="table2 = Korthikanti et al. 2022 (dropout, attention scores saved); "
                           "suite = this suite's GPT (no dropout, fused attention) "
                           "[default: suite, as the rows' pred_*]")
+_ATTENTION = click.option("--attention", type=click.Choice(["flash", "unfused"]), default=None,
+                          help="attention kernel: flash = fused flash/SDPA (what every engine here runs); "
+                               "unfused = the scores materialised and saved (Korthikanti et al.'s Megatron-LM) "
+                               "[default: flash, for every backend]")
 
 
 def _given(options: dict, name: str, default):
@@ -71,15 +75,16 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
 @config_options(MODEL_FIELDS, LAYOUT_FIELDS, ENGINE_FIELDS)
 @click.option("--params", "n_params", type=number("params", gt=0, le=1e16), default=None,
               help="a bare parameter count (e.g. 7.5e9): model-state memory only, from --dp --zero --dtype")
-@click.option("--hardware", default=None, help="profile name (a100-80gb, h100-sxm, h200, cpu) or a YAML file: "
-                                                "adds the predicted step time, tokens/s and MFU")
+@click.option("--hardware", default=None, help="profile name (a100-80gb, h100-sxm, h100-hbm2e-500w, h200, cpu) or a "
+                                                "YAML file: adds the predicted step time, tokens/s and MFU")
 @click.option("--gpus-per-node", type=positive_int(), default=None, help="GPUs per node (default: the hardware's)")
 @_MIXED
 @_ACTS
+@_ATTENTION
 @click.option("--any-engine", is_flag=True,
               help="check only the layout and model (what Megatron-LM could run), not this suite's backends")
 @click.option("--json", "as_json", is_flag=True, help="print every predicted figure as one JSON object")
-def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_engine, as_json, **options):
+def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, attention, any_engine, as_json, **options):
     """Predict per-rank memory, communication per step, bubble, FLOPs (and time) of one config.
 
     Takes the same flags as `bench run`; impossible configs are refused with RunConfig's reason."""
@@ -93,7 +98,7 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
         from models.config import count_params
         cfg = _shape_from_options(options) if any_engine else config_from_options(options)
         est = {"params": count_params(cfg.model_config), "cp": cfg.cp,
-               **predict(cfg, hardware, gpus_per_node, mixed_state, activations)}
+               **predict(cfg, hardware, gpus_per_node, mixed_state, activations, attention)}
     if as_json:
         echo_json(est)
         return
@@ -125,7 +130,7 @@ def _print_estimate(est: dict) -> None:
     else:
         click.echo(f"{est['params']:,} parameters; per rank (stage {est['worst_stage']}, the largest), "
                    f"{est['mixed_state']} state convention, "
-                   f"{est['activations']} activations:")
+                   f"{est['activations']} activations, {est['attention']} attention:")
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "transient_bytes",
                 "total_bytes", "peak_mem_bytes"):  # transient: less the state freed before the step's peak
         if key in est:
@@ -168,17 +173,18 @@ def _print_estimate(est: dict) -> None:
                    "complete engine could run (layout and model checks only)")
 @_MIXED
 @_ACTS
+@_ATTENTION
 @click.option("--json", "as_json", is_flag=True, help="a list of configs, best first (RunConfig fields + predictions)")
 @click.option("--emit-sweep", "emit", type=click.Path(dir_okay=False, writable=True), default=None,
               help="also write the top configs as a sweep file (runs: one entry each) for "
                    "`bench sweep FILE --launcher slurm`")
 def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, memory_fraction, engines, mixed_state,
-         activations, as_json, emit):
+         activations, attention, as_json, emit):
     """Rank every valid (tp, pp, dp, sharding, schedule, micro-batch, order) config by predicted throughput."""
     from bench.analysis.planner import describe
     from bench.analysis.planner import plan as make_plan
     result = make_plan(model, gpus, gpus_per_node, hardware, global_batch, seq, top, dtype, mixed_state,
-                       activations, memory_fraction, engines)
+                       activations, memory_fraction, engines, attention)
     if emit and result.configs:
         _emit_sweep(emit, result, model, gpus, gpus_per_node, hardware, global_batch)
     if as_json:
@@ -239,7 +245,8 @@ def _command_line() -> str:
               help="where to write the predicted-vs-published figure ('' for none)")
 @click.option("--json", "as_json", is_flag=True, help="every entry and the error summary as JSON")
 def validate(path, figure, as_json):
-    """Hold the analytic model against published runs: predicted vs published per entry, mean and max |error|."""
+    """Hold the analytic model against published runs: predicted vs published per entry (error on the time or
+    the bytes: + is too slow or too much), mean and max |error| per kind, per source and per engine family."""
     from bench.analysis.validate import PUBLISHED
     from bench.analysis.validate import validate as run
     result = run(path or PUBLISHED)
@@ -250,15 +257,38 @@ def validate(path, figure, as_json):
     if as_json:
         echo_json(result)
         return
-    click.echo(f"{'entry':<36} {'published':>10} {'predicted':>10} {'error':>8}   source")
-    for e in result["entries"]:
-        click.echo(f"{e['name']:<36} {e['published']:>8.2f} {e['unit']:<3}{e['predicted']:>8.2f} {e['unit']:<3}"
-                   f"{e['error']:>+7.1%}   {e['where']}")
-    for kind, s in result["summary"].items():
-        click.echo(f"{kind}: {s['entries']} entries, mean |error| {s['mean_abs_error']:.2%}, "
-                   f"max |error| {s['max_abs_error']:.2%}")
+    _print_validation(result)
     if figure:
         click.echo(f"figure: {figure}")
+
+
+def _print_validation(result: dict) -> None:
+    source = None
+    for e in result["entries"]:
+        if e["source"] != source:
+            source = e["source"]
+            click.echo(f"\n{source}" + (f"\n  note: {e['note']}" if e["note"] else "") +
+                       f"\n  {'entry':<38} {'family':<12} {'published':>17} {'predicted':>17} {'error':>8}   where")
+        pub = f"{e['published']:,.2f} {e['unit']}"
+        if e["refused"]:
+            click.echo(f"  {e['name']:<38} {e['family']:<12} {pub:>17}   refused: {e['refused']}   {e['where']}")
+            continue
+        plot = " (read off a plot)" if e["read_off_plot"] else ""
+        click.echo(f"  {e['name']:<38} {e['family']:<12} {pub:>17} {e['predicted']:>13,.2f} {e['unit']:<3} "
+                   f"{e['error']:>+7.1%}   {e['where']}{plot}")
+    click.echo("")
+    for title, table in (("per kind", {k: {"": s} for k, s in result["summary"].items()}),
+                         ("per source", result["by_source"]), ("per family", result["by_family"]),
+                         ("of the figures read off a plot (in none of the above)", result["read_off_plot"])):
+        if not table:
+            continue
+        click.echo(f"mean / max |error| {title}:")
+        for name, parts in table.items():
+            for what, s in parts.items():
+                click.echo(f"  {name}{' · ' + what if what else ''}: {s['entries']} entries, "
+                           f"mean {s['mean_abs_error']:.2%}, max {s['max_abs_error']:.2%}")
+    if result["refused"]:
+        click.echo(f"{len(result['refused'])} entries refused by the model (their reasons above)")
 
 
 @click.command("calibrate")

@@ -371,19 +371,19 @@ def validation_figure(result: dict):
     kinds = list(result["summary"])
     fig, axes = plt.subplots(1, len(kinds), figsize=(4.6 * len(kinds), 4.2), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
-        rows = [e for e in result["entries"] if e["kind"] == kind]
-        pub = np.array([e["published"] for e in rows])
-        pred = np.array([e["predicted"] for e in rows])
+        rows = [e for e in result["entries"] if e["kind"] == kind and not e["refused"]]
+        pub = np.array([e["published_base"] for e in rows])  # one unit a kind: seconds or GiB
+        pred = np.array([e["predicted_base"] for e in rows])
         lo, hi = 0.8 * min(pub.min(), pred.min()), 1.2 * max(pub.max(), pred.max())
         line = np.geomspace(lo, hi, 50)
         ax.fill_between(line, line * 0.95, line * 1.05, color="0.9", label="±5 %")
         ax.plot(line, line, color="0.5", lw=1)
         ax.scatter(pub, pred, zorder=3)
         for e in rows:
-            ax.annotate(e["name"].split()[0], (e["published"], e["predicted"]), fontsize=7,
+            ax.annotate(e["name"].split()[0], (e["published_base"], e["predicted_base"]), fontsize=7,
                         xytext=(3, -8), textcoords="offset points")
-        ax.set(xscale="log", yscale="log", xlabel=f"published ({rows[0]['unit']})",
-               ylabel=f"predicted ({rows[0]['unit']})")
+        ax.set(xscale="log", yscale="log", xlabel=f"published ({rows[0]['base_unit']})",
+               ylabel=f"predicted ({rows[0]['base_unit']})")
         s = result["summary"][kind]
         ax.set_title(f"{kind}: mean |err| {s['mean_abs_error']:.1%}, max {s['max_abs_error']:.1%}", fontsize=10)
     fig.tight_layout()
