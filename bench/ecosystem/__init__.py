@@ -107,7 +107,8 @@ def detect(source: str) -> tuple[str, object]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise SourceError(source, f"line {e.lineno} column {e.colno}", f"not valid JSON: {e.msg}") from None
+            why = "it ends early (truncated?)" if not text[e.pos:].strip() else e.msg
+            raise SourceError(source, f"line {e.lineno} column {e.colno}", f"not valid JSON: {why}") from None
         if not isinstance(data, dict):
             raise SourceError(source, "", f"a JSON object was expected; known formats: {known_formats()}")
         if "model_type" in data:

@@ -31,6 +31,7 @@ DS_SET = ("zero_optimization.", "fp16.", "bf16.", "bfloat16.", "communication_da
 OFFLOAD = ("zero_optimization.offload_", "zero_optimization.zenflow")
 NO_EFFECT = {
     "optimizer.params": "optimizer hyper-parameter (parabench runs AdamW)",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "checkpointing",
     "scheduler": "learning-rate schedule", "gradient_clipping": "gradient clipping: parabench never clips (issue 26)",
     "steps_per_print": "logging", "wall_clock_breakdown": "logging", "timers.": "logging", "dump_state": "logging",
     "tensorboard.": "logging", "wandb.": "logging", "csv_monitor.": "logging", "comms_logger.": "logging",
@@ -60,6 +61,8 @@ def read(data: dict, source: str, base: Imported, world_size: int | None) -> Imp
     imp = base
     imp.framework, imp.source = FRAMEWORK, source
     imp.values.update(backend="deepspeed", order="tp-dp-pp")
+    if "device" not in imp.values:
+        imp.on_gpus()
     keys = flatten(data)
     for key, flag in MAPPED.items():
         _mapped(imp, keys, key, flag, source)
@@ -184,14 +187,14 @@ def _engine_keys(imp: Imported, keys: dict) -> None:
             ds_set.append(f"{key}={_yaml(value)}")
             note = " (runs; the estimate does not model offload)" if key.startswith(OFFLOAD) else ""
             imp.add(key, value, "mapped", f"ds_set {key}={_yaml(value)}{note}")
-        elif value == "auto":
-            imp.dropped(key, value, "\"auto\" with no model value to resolve it from: DeepSpeed's default applies")
         elif prefix_reason(key, NO_EFFECT):
             imp.dropped(key, value, f"no effect on the layout: {prefix_reason(key, NO_EFFECT)}")
+        elif value == "auto":
+            imp.dropped(key, value, "\"auto\" with no model value to resolve it from: DeepSpeed's default applies")
         else:
             imp.dropped(key, value, "unknown to the importer: assumed not to change the layout or the math")
-    if ds_set:
-        imp.values["ds_set"] = tuple(ds_set)
+    if ds_set:  # sorted: the file's key order is no part of the run (its id included)
+        imp.values["ds_set"] = tuple(sorted(ds_set))
 
 
 def _generated(imp: Imported) -> dict | None:

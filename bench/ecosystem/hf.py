@@ -65,6 +65,7 @@ def read(data: dict, source: str, world_size: int | None = None) -> Imported:
         if key not in table:
             _leftover(imp, key, value)
     imp.values.update(backend="native", world_size=world_size or 1, dp=world_size or 1)
+    imp.on_gpus()
     return imp
 
 

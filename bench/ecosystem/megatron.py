@@ -190,6 +190,7 @@ def read(pairs: list[tuple[str, object]], source: str, world_size: int | None = 
     imp = Imported(framework, source, label, model=dict(model or {}))
     args = _unique(pairs, imp)
     imp.values["backend"] = backend
+    imp.on_gpus()
     for key, flag in MAPPED.items():
         _simple(imp, args, key, flag, source, model or {})
     _shape(imp, args, source)

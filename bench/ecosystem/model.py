@@ -34,6 +34,7 @@ def _text(value) -> str:
 
 
 def canonical(cfg):
-    """`cfg` with its model as its closest preset and overrides and world_size set: the form an import gives."""
+    """`cfg` with its model as its closest preset and overrides, world_size set and ds_set sorted: the form an
+    import gives."""
     preset, overrides = preset_and_overrides(shape(cfg.model_config))
-    return cfg.replace(model=preset, model_overrides=overrides, world_size=cfg.world)
+    return cfg.replace(model=preset, model_overrides=overrides, world_size=cfg.world, ds_set=tuple(sorted(cfg.ds_set)))

@@ -13,7 +13,9 @@ import shlex
 from bench.ecosystem.table import SourceError
 
 _VAR = re.compile(r"\$\{(\w+)(\[@\]|\[\*\])?(?::-([^}]*))?\}|\$(\w+|\d)")
-_ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-\w+\s+)*|local\s+)?(\w+)=(.*)$", re.S)
+_ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-\w+\s+)*|local\s+)?(\w+)(\+?)=(.*)$", re.S)
+_OPENS = ("if ", "for ", "while ", "until ", "case ")
+_CLOSES = ("fi", "done", "esac")
 LAUNCHERS = ("torchrun", "python", "python3", "deepspeed", "srun", "mpirun")
 
 
@@ -45,18 +47,33 @@ def _strip_comment(line: str) -> str:
 
 
 def expand_script(text: str, source: str) -> tuple[list[str], int | None]:
-    """(the arguments of the script's training command, the world size its launcher gives or None)."""
+    """(the arguments of the script's training command, the world size its launcher gives or None).
+
+    A variable assigned inside an if/for/while/case block has no static value: the command may not use it."""
     env: dict[str, list[str]] = {}
-    for line in logical_lines(text):
+    conditional: dict[str, int] = {}  # name → the line of its assignment under a condition
+    depth = 0
+    for number, line in enumerate(logical_lines(text), 1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
+        first = stripped.split(";")[0].strip()
+        if first.startswith(_OPENS):
+            depth += 1
+            continue
+        if first in _CLOSES or first.startswith(("fi ", "done ", "esac ")):
+            depth = max(depth - 1, 0)
+            continue
         match = _ASSIGN.match(stripped)
         if match and not stripped.startswith(LAUNCHERS):
-            name, value = match.groups()
-            env[name] = _assigned(value, env)
+            name, append, value = match.groups()
+            if depth:
+                conditional.setdefault(name, number)
+            env[name] = (env.get(name, []) if append else []) + _assigned(value, env)
             continue
-        words = _words(stripped, env)
+        if depth:
+            continue
+        words = _words(stripped, env, conditional, source)
         script = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
         if script is not None and words and words[0].rsplit("/", 1)[-1] in LAUNCHERS:
             return words[script + 1:], _launcher_world(words[:script])
@@ -97,17 +114,22 @@ def _lookup(match, env) -> list[str]:
     return [f"${name}"]
 
 
-def _words(text: str, env: dict) -> list[str]:
-    """Shell words after expansion: an array `${X[@]}` standing alone becomes its items."""
+def _words(text: str, env: dict, conditional: dict | None = None, source: str = "script") -> list[str]:
+    """Shell words after expansion: an array `${X[@]}` standing alone becomes its items, each split at blanks
+    (unquoted expansion: "--fp8-format hybrid" is two words)."""
     try:
         tokens = shlex.split(text, comments=True)
     except ValueError as e:
-        raise SourceError("script", "", f"cannot split {text[:60]!r}: {e}") from None
+        raise SourceError(source, "", f"cannot split {text[:60]!r}: {e}") from None
+    for name, line in (conditional or {}).items():
+        if re.search(rf"\$\{{?{name}\b", text):
+            raise SourceError(source, f"${name}", f"is set under a condition (line {line}), so it cannot be expanded "
+                              "statically; pass the arguments with `bench import megatron -- ARGS…`")
     out = []
     for token in tokens:
         whole = _VAR.fullmatch(token)
         if whole and (whole.group(2) or len(_lookup(whole, env)) > 1):
-            out += _lookup(whole, env)
+            out += [word for item in _lookup(whole, env) for word in item.split()]
         elif token.startswith("$((") and token.endswith("))"):
             out.append(_arithmetic(token[3:-2], env))
         else:

@@ -74,6 +74,11 @@ class Imported:
     model: dict[str, Any] = field(default_factory=dict)
     entries: list[Entry] = field(default_factory=list)
 
+    def on_gpus(self) -> None:
+        """Every framework read here trains on GPUs: the config's device is cuda (`--device cpu` overrides it)."""
+        self.add("(device)", None, "defaulted", f"device = cuda ({NAMES.get(self.framework, self.framework)} trains on GPUs)")
+        self.values["device"] = "cuda"
+
     def mapped(self, key, value, target: str, to=_SAME, note: str = "") -> None:
         """`key` (its `value` as the source wrote it) sets `target` to `to` (default: the value itself)."""
         self._record(key, value, "mapped", target, value if to is _SAME else to, note)
@@ -127,6 +132,8 @@ class Imported:
         """Why the source is not exactly expressible: each blocking key, then RunConfig's refusal if any."""
         from bench.config import ConfigError
         reasons = [f"{e.key}: {e.detail}" for e in self.blockers]
+        if self.model.get("vocab") is None:  # no shape to build a config of: a blocker above says why
+            return reasons
         try:
             self.config()
         except (ConfigError, ValueError, TypeError) as e:

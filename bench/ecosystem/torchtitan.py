@@ -89,6 +89,7 @@ def flatten(data: dict, prefix: str = "") -> dict:
 def read(data: dict, source: str, world_size: int | None) -> Imported:
     imp = Imported(FRAMEWORK, source)
     imp.values.update(backend="fsdp", order="tp-dp-pp")
+    imp.on_gpus()
     keys = flatten(data)
     for key, flag in MAPPED.items():
         _simple(imp, keys, key, flag, source)
@@ -250,11 +251,12 @@ def _precision_and_recompute(imp: Imported, keys, get) -> None:
         imp.values["recompute"] = "full" if mode != "none" else "none"
         _note(imp, keys, "activation_checkpoint.mode", f"recompute = {imp.values['recompute']}")
     else:
-        what = {"op": "per-op selective recompute"}.get(option, f"recompute of every {option}th layer")
+        what = {"op": "per-op selective recompute"}.get(option, f"full recompute of one layer in {option}")
         what = what if mode == "selective" else f"recompute mode {mode}"
+        closest = "selective" if option == "op" and mode == "selective" else "full"
         imp.dropped("activation_checkpoint.mode", mode, f"not expressible: {what} (parabench's selective recomputes the "
-                    "attention core; issue 26)", blocks=True)
-        imp.values["recompute"] = "selective" if mode == "selective" else "full"
+                    f"attention core; the closest: recompute {closest}; issue 26)", blocks=True)
+        imp.values["recompute"] = closest
 
 
 def _leftover(imp: Imported, key: str, value) -> None:
@@ -287,7 +289,8 @@ def export_toml(cfg) -> str:
                         "fsdp_reshard_after_forward": "never" if cfg.fsdp == "grad-op" else "always",
                         "tensor_parallel_degree": cfg.tp, "pipeline_parallel_degree": cfg.pp,
                         "context_parallel_degree": cfg.cp},
-        "activation_checkpoint": {"mode": cfg.recompute},
+        "activation_checkpoint": {"mode": cfg.recompute} if cfg.recompute != "selective" else
+                                 {"mode": "selective", "selective_ac_option": "op"},
         "compile": {"enable": cfg.compile},
     }
     if cfg.pp > 1:
@@ -299,7 +302,7 @@ def export_toml(cfg) -> str:
             sections["parallelism"]["pipeline_parallel_layers_per_stage"] = cfg.model_config.layers // (cfg.pp * cfg.virtual_stages)
     if cfg.cp > 1:
         sections["parallelism"]["context_parallel_rotate_method"] = "alltoall"
-    lines = [f"# parabench run {cfg.run_id}: world size {cfg.world}"]
+    lines = [f"# parabench run {cfg.run_id}: world size {cfg.world}"] + [f"# not the same: {why}" for why in _differences(cfg)]
     for section, values in sections.items():
         lines.append(f"\n[{section}]")
         lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
@@ -315,17 +318,25 @@ def _export_reason(cfg) -> str | None:
         return f"backend {cfg.backend}: torchtitan trains with FSDP2; export backend fsdp configs"
     if not any(_is_flavor(cfg.model_config, shape) for shape in FLAVORS.values()):
         return f"model {cfg.model}: not a torchtitan flavor ({', '.join(f'{n} {f}' for n, f in FLAVORS)})"
-    if cfg.tp > 1:
-        return "tp > 1: torchtitan's TP plan is not the fsdp backend's (issue 26)"
     if cfg.fsdp == "hybrid":
         return "fsdp hybrid: the fsdp backend derives its HSDP split from the node; torchtitan needs it explicit"
-    if cfg.recompute == "selective":
-        return "recompute selective: parabench's (attention core) has no torchtitan equivalent; use none or full"
     if cfg.order != "tp-dp-pp" and cfg.pp > 1 and cfg.dp > 1:
         return f"order {cfg.order}: torchtitan's mesh is [pp, dp, cp, tp], order tp-dp-pp"
     if cfg.fsdp == "none" and cfg.dp == 1:
         return "fsdp none at dp 1: torchtitan shards whenever it does not replicate; use fsdp full"
     return None
+
+
+def _differences(cfg) -> list[str]:
+    """What torchtitan runs differently from this config (its import lists them as blockers)."""
+    out = []
+    if cfg.tp > 1:
+        out.append("tp: torchtitan's TP plan (sequence-parallel norms, loss parallel, sharded embedding and head) is not "
+                   "the fsdp backend's (issue 26)")
+    if cfg.recompute == "selective":
+        out.append("recompute: written as torchtitan's per-op selective recompute, the closest to parabench's "
+                   "(the attention core; issue 26)")
+    return out
 
 
 def _toml(value) -> str:
