@@ -265,6 +265,20 @@ def test_import_of_an_inexpressible_config_exits_1(bench, tmp_path):
     assert not as_json["exact"] and as_json["configs"][0]["config"]["backend"] == "fsdp"
 
 
+def test_blocks_of_one_model_make_one_sweep(bench, tmp_path):
+    source = CORPUS / "megatron_reruns_check_grads.yaml"
+    out = bench("import", source, "-o", tmp_path / "s.yaml", "--approximate")  # tp 2 pads the vocab to 50,432
+    assert out.returncode == 2 and "2 different models (MODEL_ARGS, MODEL_ARGS_2, MODEL_ARGS_4, MODEL_ARGS_5; " \
+        "MODEL_ARGS_3)" in out.stderr and "--block" in out.stderr
+    out = bench("import", source, "-o", tmp_path / "s.yaml", "--approximate", "--block", "MODEL_ARGS_2", "--block",
+                "MODEL_ARGS_5")
+    from bench.sweep.spec import expand, load_sweep
+    assert out.returncode == 1 and [(r.dp, r.pp) for r in expand(load_sweep(tmp_path / "s.yaml")).runs] == [(2, 1), (1, 2)]
+    one = bench("estimate", "--from", source, "--block", "MODEL_ARGS_3", "--approximate", "--json")
+    assert one.returncode == 0 and json.loads(one.stdout)["world_size"] == 2
+    assert "--block MODEL_ARGS_9: no such block" in bench("estimate", "--from", source, "--block", "MODEL_ARGS_9").stderr
+
+
 def test_import_megatron_arguments(bench):
     out = bench("import", "megatron", "--world-size", "4", "--", "--num-layers", "4", "--hidden-size", "64",
                 "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",

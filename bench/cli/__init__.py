@@ -27,9 +27,9 @@ def app():
               help="do not measure this machine first: predict on a profile measured here before, else the built-in")
 @click.option("--hardware", default=None, help="predict the row on this profile (name or YAML file); nothing is calibrated")
 @from_options
-def run(launcher, as_json, trace_dir, no_calibrate, hardware, source, model_config, approximate, **options):
+def run(launcher, as_json, trace_dir, no_calibrate, hardware, source, model_config, approximate, blocks, **options):
     """Run one benchmark configuration and print its result row."""
-    cfg = config_from_source(source, options, model_config, approximate) if source else config_from_options(options)
+    cfg = config_from_source(source, options, model_config, approximate, blocks) if source else config_from_options(options)
     from bench.sweep.local import DebugLauncher, run_debug, run_local
     from bench.sweep.runner import calibrate_here, local_size_reason
     reason = local_size_reason(cfg.world, cfg.device) if launcher == "local" else DebugLauncher().unsupported(cfg)

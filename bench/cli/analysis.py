@@ -38,7 +38,7 @@ def _gib(n: float) -> str:
               help="with --model: check only the layout and model (what Megatron-LM could run), not this suite's backends")
 @click.option("--json", "as_json", is_flag=True, help="ranks, groups, links and warnings as JSON")
 @from_options
-def layout(gpus_per_node, rack_size, any_engine, as_json, source, model_config, approximate, **options):
+def layout(gpus_per_node, rack_size, any_engine, as_json, source, model_config, approximate, blocks, **options):
     """Explain a tp × cp × pp × dp layout: which GPU computes which stage and holds which sequence
     chunks, who talks to whom, over which link.
 
@@ -48,7 +48,7 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, source, model_config, 
     from bench.config import ConfigError
     from bench.layout import Layout, layout_product, seq_split_reason
     if source:  # the layout, model and step of a framework's config
-        cfg = config_from_source(source, options, model_config, approximate)
+        cfg = config_from_source(source, options, model_config, approximate, blocks)
         info = explain(Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, order=cfg.order, cp=cfg.cp, gpus_per_node=gpus_per_node),
                        rack_size, cfg, seq=cfg.seq)
         echo_json(info) if as_json else click.echo(format_text(info))
@@ -88,7 +88,7 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, source, model_config, 
 @click.option("--json", "as_json", is_flag=True, help="print every predicted figure as one JSON object")
 @from_options
 def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_engine, as_json, source, model_config,
-             approximate, **options):
+             approximate, blocks, **options):
     """Predict per-rank memory, communication per step, bubble, FLOPs (and time) of one config.
 
     Takes the same flags as `bench run`; impossible configs are refused with RunConfig's reason."""
@@ -101,7 +101,7 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, any_en
     else:
         from models.config import count_params
         if source:
-            cfg = config_from_source(source, options, model_config, approximate)
+            cfg = config_from_source(source, options, model_config, approximate, blocks)
         else:
             cfg = _shape_from_options(options) if any_engine else config_from_options(options)
         est = {"params": count_params(cfg.model_config), "cp": cfg.cp,

@@ -15,8 +15,25 @@ COMMANDS: list[click.Command] = []
 STATUS_ORDER = ("mapped", "defaulted", "conflict", "dropped")
 
 
+BLOCK = click.option("--block", "blocks", multiple=True, help="only this block of a functional test's model_config.yaml "
+                     "(MODEL_ARGS, MODEL_ARGS_2, …; repeatable)")
+
+
+def pick(imports, blocks: tuple[str, ...], source: str):
+    """The configs of the blocks asked for (all when none is named)."""
+    from bench.config import ConfigError
+    if not blocks:
+        return imports
+    unknown = sorted(set(blocks) - {i.label for i in imports})
+    if unknown:
+        raise ConfigError(f"{source}: --block {unknown[0]}: no such block (the file holds "
+                          f"{', '.join(i.label or 'one config' for i in imports)})")
+    return [i for i in imports if i.label in blocks]
+
+
 def from_options(func):
-    """`--from FILE` (+ `--model-config`, `--approximate`): the config read from a framework's file."""
+    """`--from FILE` (+ `--block`, `--model-config`, `--approximate`): the config read from a framework's file."""
+    func = BLOCK(func)
     func = click.option("--approximate", is_flag=True,
                         help="with --from: use the closest config even when the source is not exactly expressible")(func)
     func = click.option("--model-config", type=click.Path(dir_okay=False), default=None,
@@ -27,16 +44,16 @@ def from_options(func):
                              "it override its values")(func)
 
 
-def config_from_source(source: str, options: dict, model_config: str | None, approximate: bool):
+def config_from_source(source: str, options: dict, model_config: str | None, approximate: bool, blocks=()):
     """The one config of `source`, with the config options given beside --from applied over it."""
     from bench.cli.options import given_options
     from bench.config import ConfigError
     from bench.ecosystem import read_source
     given = given_options(options)
-    imports = read_source(source, given.pop("world_size", None), model_config, given.pop("model", None))
+    imports = pick(read_source(source, given.pop("world_size", None), model_config, given.pop("model", None)), blocks, source)
     if len(imports) > 1:
-        raise ConfigError(f"{source} holds {len(imports)} configs ({', '.join(i.label for i in imports)}): "
-                          f"`bench sweep --from {source}` runs them all")
+        raise ConfigError(f"{source} holds {len(imports)} configs ({', '.join(i.label for i in imports)}): pick one "
+                          f"with --block, or `bench sweep --from {source}` for all")
     imp = imports[0]
     if imp.problems and not approximate:
         raise ConfigError(f"{source} is not exactly expressible: {imp.problems[0]}"
@@ -46,14 +63,14 @@ def config_from_source(source: str, options: dict, model_config: str | None, app
     return cfg.replace(**given) if given else cfg
 
 
-def spec_from_source(source: str, world_size, model_config, approximate: bool):
+def spec_from_source(source: str, world_size, model_config, approximate: bool, blocks=()):
     """`bench sweep --from FILE`: the sweep an import would write, parsed as a sweep file."""
     from pathlib import Path
 
     from bench.config import ConfigError
     from bench.ecosystem import read_source, sweep_data
     from bench.sweep.spec import parse_sweep
-    imports = read_source(source, world_size, model_config)
+    imports = pick(read_source(source, world_size, model_config), blocks, source)
     blocked = [f"{i.label or source}: {i.problems[0]}" for i in imports if i.problems]
     if blocked and not approximate:
         raise ConfigError(f"{source} is not exactly expressible ({blocked[0]}); add --approximate to use the closest configs")
@@ -80,7 +97,8 @@ def source_name(source: str) -> str:
               help="write the sweep file (one run per config) for `bench sweep`")
 @click.option("--approximate", is_flag=True, help="write the sweep even when a config is not exactly expressible")
 @click.option("--json", "as_json", is_flag=True, help="the configs and every source key's fate as JSON")
-def import_(source, args, world_size, model_config, model, out, approximate, as_json):
+@BLOCK
+def import_(source, args, world_size, model_config, model, out, approximate, as_json, blocks):
     """Read a framework's config: Megatron-LM (a launch script, a functional test's model_config.yaml, or
     `bench import megatron -- ARGS…`), a DeepSpeed JSON (the launch arguments after --), a torchtitan TOML
     or print_config JSON, an HF config.json. Prints what became of every key; exits 1 when a config is not
@@ -89,7 +107,7 @@ def import_(source, args, world_size, model_config, model, out, approximate, as_
     if source == "megatron":
         imports = read_megatron(list(args), world_size, model_config, model)
     else:
-        imports = read_source(source, world_size, model_config, model, tuple(args))
+        imports = pick(read_source(source, world_size, model_config, model, tuple(args)), blocks, source)
     exact = all(imp.exact for imp in imports)
     if as_json:
         echo_json({"exact": exact, "configs": [{**imp.to_dict(), "config": _config_dict(imp)} for imp in imports]})

@@ -33,7 +33,7 @@ COMMANDS: list[click.Command] = []
 @from_options
 @click.option("--world-size", type=click.IntRange(min=1), default=None, help="with --from: the GPUs of the run")
 def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, max_parallel, no_progress,
-          no_report, fail_on_failure, no_calibrate, hardware, source, model_config, approximate, world_size):
+          no_report, fail_on_failure, no_calibrate, hardware, source, model_config, approximate, blocks, world_size):
     """Run every configuration of a sweep FILE; one row per run in OUT/runs/, all rows in OUT/results.parquet.
 
     A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled, and the sweep
@@ -44,7 +44,7 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
     from bench.sweep.spec import load_sweep
     if bool(file) == bool(source):
         raise click.UsageError("give a sweep FILE or --from a framework's config (not both)")
-    spec = spec_from_source(source, world_size, model_config, approximate) if source else load_sweep(file)
+    spec = spec_from_source(source, world_size, model_config, approximate, blocks) if source else load_sweep(file)
     if profile and (launcher or spec.launcher.kind) != "slurm":
         raise click.UsageError("--profile applies to the slurm launcher; add --launcher slurm")
     out = Path(out or Path("results") / spec.name)

@@ -166,8 +166,13 @@ def sweep_data(imports: list[Imported], name: str) -> dict:
     """A sweep file's content: one run per config (all sharing the model: a sweep has one)."""
     configs = [imp.config() for imp in imports]
     models = {(c.model, c.model_overrides) for c in configs}
-    if len(models) > 1:
-        raise SourceError(imports[0].source, "model", "the configs hold different models; import them one by one")
+    if len(models) > 1:  # a sweep has one model (Megatron-LM's padded vocab differs with tp, for one)
+        by_model = {}
+        for imp, c in zip(imports, configs):
+            by_model.setdefault((c.model, c.model_overrides), []).append(imp.label)
+        groups = "; ".join(", ".join(labels) for labels in by_model.values())
+        raise SourceError(imports[0].source, "model", f"the blocks hold {len(models)} different models ({groups}): "
+                          "a sweep has one; pick blocks of one model with --block")
     from bench.ecosystem.model import SHAPE_FIELDS
     preset, overrides = models.pop()
     model = {"preset": preset, **{k: _scalar(v) for k, v in (o.split("=", 1) for o in overrides) if k in SHAPE_FIELDS}}
