@@ -93,7 +93,7 @@ FLOORS = (
     ("models of cost and meters", {"bench.analysis", "bench.metrics"}),
     ("the ranks", {"bench.distributed", "bench.surgery", "bench.context_parallel", "bench.loss_scale", "bench.training",
                    "bench.native", "bench.backends", "bench.worker", "bench.spawn", "bench.calibrate"}),
-    ("orchestration", {"bench.sweep", "bench.report"}),
+    ("orchestration", {"bench.sweep", "bench.report", "bench.ecosystem"}),
     ("commands", {"bench.cli"}),
 )
 
@@ -154,9 +154,9 @@ NO_TORCH = textwrap.dedent("""
 
 
 def _pure_modules() -> list[str]:
-    analysis = sorted(n for n in modules() if n.startswith("bench.analysis."))
+    analysis = sorted(n for n in modules() if n.startswith(("bench.analysis.", "bench.ecosystem.")))
     return ["models", "models.config", "bench.conventions", "bench.layout", "bench.schedule", "bench.choices",
-            "bench.config", "bench.capabilities", *analysis, "bench.cli.analysis", "bench.cli"]
+            "bench.config", "bench.capabilities", *analysis, "bench.ecosystem", "bench.cli.analysis", "bench.cli"]
 
 
 def _run_without_torch(code: str) -> subprocess.CompletedProcess:
@@ -185,7 +185,9 @@ def test_pure_maths_imports_without_torch():
     ["layout", "--tp", "2", "--pp", "2", "--dp", "2", "--model", "tiny"],
     ["estimate", "--model", "llama2-7b", "--tp", "2", "--dp", "4", "--hardware", "h100-sxm", "--dtype", "bf16-mixed"],
     ["plan", "--model", "llama2-7b", "--gpus", "16", "--hardware", "h100-sxm", "--global-batch", "32", "--top", "1"],
-], ids=["layout", "estimate", "plan"])
+    ["estimate", "--from", "tests/ecosystem/megatron_gpt3_7b_tp4_pp1.yaml", "--hardware", "h100-sxm"],
+    ["import", "tests/ecosystem/deepspeed_hf_z3.json", "--model", "gpt2-124m", "--world-size", "8"],
+], ids=["layout", "estimate", "plan", "estimate-from", "import"])
 def test_analysis_commands_run_without_torch(args):
     done = _run_without_torch(f"""
         sys.argv = ["bench", *{args!r}]

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from bench.cli.ecosystem import config_from_source, from_options
 from bench.cli.options import config_from_options, config_options, echo_json
 from bench.config import ConfigError
 
@@ -25,9 +26,10 @@ def app():
 @click.option("--no-calibrate", is_flag=True,
               help="do not measure this machine first: predict on a profile measured here before, else the built-in")
 @click.option("--hardware", default=None, help="predict the row on this profile (name or YAML file); nothing is calibrated")
-def run(launcher, as_json, trace_dir, no_calibrate, hardware, **options):
+@from_options
+def run(launcher, as_json, trace_dir, no_calibrate, hardware, source, model_config, approximate, blocks, **options):
     """Run one benchmark configuration and print its result row."""
-    cfg = config_from_options(options)
+    cfg = config_from_source(source, options, model_config, approximate, blocks) if source else config_from_options(options)
     from bench.sweep.local import DebugLauncher, run_debug, run_local
     from bench.sweep.runner import calibrate_here, local_size_reason
     reason = local_size_reason(cfg.world, cfg.device) if launcher == "local" else DebugLauncher().unsupported(cfg)
@@ -75,9 +77,10 @@ def _print_row(row: dict) -> None:
 def _register_groups() -> None:
     """One module per command group; each lists its click commands in COMMANDS (imports stay light)."""
     from bench.cli.analysis import COMMANDS as analysis
+    from bench.cli.ecosystem import COMMANDS as ecosystem
     from bench.cli.report import COMMANDS as report
     from bench.cli.sweep import COMMANDS as sweep
-    for command in (*sweep, *report, *analysis):
+    for command in (*sweep, *report, *analysis, *ecosystem):
         app.add_command(command)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from bench.cli.ecosystem import config_from_source, emit, from_options
 from bench.cli.options import (ENGINE_FIELDS, FRACTION, LAYOUT_FIELDS, MODEL_FIELDS, config_from_options, config_options,
                                echo_json, given_options, number, positive_int, refuse_unused)
 
@@ -40,7 +41,8 @@ def _gib(n: float) -> str:
 @click.option("--any-engine", is_flag=True,
               help="with --model: check only the layout and model (what Megatron-LM could run), not this suite's backends")
 @click.option("--json", "as_json", is_flag=True, help="ranks, groups, links and warnings as JSON")
-def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
+@from_options
+def layout(gpus_per_node, rack_size, any_engine, as_json, source, model_config, approximate, blocks, **options):
     """Explain a tp × cp × pp × dp layout (and ep inside dp × cp): which GPU computes which stage and holds
     which sequence chunks and experts, who talks to whom, over which link.
 
@@ -49,6 +51,13 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
     from bench.analysis.explain import explain, format_text
     from bench.config import ConfigError
     from bench.layout import Layout, layout_product, seq_split_reason
+    if source:  # the layout, model and step of a framework's config
+        cfg = config_from_source(source, options, model_config, approximate, blocks)
+        info = explain(Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, order=cfg.order, cp=cfg.cp, gpus_per_node=gpus_per_node,
+                              ep=cfg.ep),
+                       rack_size, cfg, seq=cfg.seq)
+        echo_json(info) if as_json else click.echo(format_text(info))
+        return
     lay = Layout(tp=_given(options, "tp", 1), pp=_given(options, "pp", 1), dp=_given(options, "dp", 1),
                  order=_given(options, "order", "tp-pp-dp"), cp=_given(options, "cp", 1), gpus_per_node=gpus_per_node,
                  ep=_given(options, "ep", 1))
@@ -84,7 +93,9 @@ def layout(gpus_per_node, rack_size, any_engine, as_json, **options):
 @click.option("--any-engine", is_flag=True,
               help="check only the layout and model (what Megatron-LM could run), not this suite's backends")
 @click.option("--json", "as_json", is_flag=True, help="print every predicted figure as one JSON object")
-def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, attention, any_engine, as_json, **options):
+@from_options
+def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, attention, any_engine, as_json, source,
+             model_config, approximate, blocks, **options):
     """Predict per-rank memory, communication per step, bubble, FLOPs (and time) of one config.
 
     Takes the same flags as `bench run`; impossible configs are refused with RunConfig's reason."""
@@ -96,7 +107,10 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, attent
                               _given(options, "dtype", "bf16-mixed"), mixed_state)
     else:
         from models.config import count_params
-        cfg = _shape_from_options(options) if any_engine else config_from_options(options)
+        if source:
+            cfg = config_from_source(source, options, model_config, approximate, blocks)
+        else:
+            cfg = _shape_from_options(options) if any_engine else config_from_options(options)
         est = {"params": count_params(cfg.model_config), "cp": cfg.cp,
                **predict(cfg, hardware, gpus_per_node, mixed_state, activations, attention)}
     if as_json:
@@ -178,13 +192,19 @@ def _print_estimate(est: dict) -> None:
 @click.option("--emit-sweep", "emit", type=click.Path(dir_okay=False, writable=True), default=None,
               help="also write the top configs as a sweep file (runs: one entry each) for "
                    "`bench sweep FILE --launcher slurm`")
+@click.option("--emit", "framework", type=click.Choice(["megatron", "deepspeed", "torchtitan"]), default=None,
+              help="also print the best config that framework can run, in its terms: Megatron-LM arguments (backend "
+                   "native), DeepSpeed JSON (deepspeed), torchtitan TOML (fsdp)")
 def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, memory_fraction, engines, mixed_state,
-         activations, attention, as_json, emit):
+         activations, attention, as_json, emit, framework):
     """Rank every valid (tp, pp, dp, sharding, schedule, micro-batch, order) config by predicted throughput."""
     from bench.analysis.planner import describe
     from bench.analysis.planner import plan as make_plan
-    result = make_plan(model, gpus, gpus_per_node, hardware, global_batch, seq, top, dtype, mixed_state,
-                       activations, memory_fraction, engines, attention)
+    if framework and as_json:
+        raise click.UsageError("--emit prints the framework's text; drop --json")
+    result = make_plan(model, gpus, gpus_per_node, hardware, global_batch, seq, 10**6 if framework else top, dtype,
+                       mixed_state, activations, memory_fraction, engines, attention)
+    ranked, result.configs = result.configs, result.configs[:top]
     if emit and result.configs:
         _emit_sweep(emit, result, model, gpus, gpus_per_node, hardware, global_batch)
     if as_json:
@@ -205,6 +225,36 @@ def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, me
                    + (f"cp {row['comm_cp_s']:.2f} " if row["cp"] > 1 else "") + f"pp {row['comm_pp_s']:.2f} "
                    f"dp {row['comm_dp_exposed_s']:.2f}, bubble {row['bubble_s']:.2f})  "
                    f"memory {_gib(row['total_bytes'])} (act {_gib(row['activation_bytes'])})")
+    if framework:
+        _emit_framework(framework, ranked, model, gpus, hardware)
+
+
+FRAMEWORK_BACKENDS = {"megatron": "native", "deepspeed": "deepspeed", "torchtitan": "fsdp"}
+
+
+def _emit_framework(framework: str, ranked: list[dict], model: str, gpus: int, hardware: str) -> None:
+    """The best fitting config of the framework's backend that the framework can express, in its terms."""
+    from bench.analysis.planner import SWEEP_FIELDS, plan_device
+    from bench.config import ConfigError, RunConfig
+    from bench.ecosystem import SourceError, export
+    backend = FRAMEWORK_BACKENDS[framework]
+    for i, row in enumerate(ranked, 1):
+        if row["backend"] != backend:
+            continue
+        cfg = RunConfig(model=model, device=plan_device(hardware), world_size=gpus,
+                        **{k: row[k] for k in SWEEP_FIELDS if row.get(k) is not None})
+        try:
+            export(cfg, framework)
+        except SourceError:
+            continue  # a layout the framework cannot write (gpipe for Megatron-LM, …): the next best
+        click.echo(f"\n{framework} for plan {i} ({describe_short(cfg)}, predicted {row['tokens_per_s']:,.0f} tokens/s):")
+        emit(cfg, framework, None)
+        return
+    raise ConfigError(f"--emit {framework}: no fitting config of backend {backend} that {framework} can express")
+
+
+def describe_short(cfg) -> str:
+    return f"{cfg.backend} tp {cfg.tp} pp {cfg.pp} dp {cfg.dp}" + (f" cp {cfg.cp}" if cfg.cp > 1 else "")
 
 
 def _emit_sweep(path: str, result, model: str, gpus: int, gpus_per_node: int, hardware: str,

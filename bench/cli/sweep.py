@@ -3,11 +3,13 @@ from pathlib import Path
 
 import click
 
+from bench.cli.ecosystem import spec_from_source, from_options
+
 COMMANDS: list[click.Command] = []
 
 
 @click.command("sweep")
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path(dir_okay=False), required=False)
 @click.option("--dry-run", is_flag=True, help="print the expanded runs with their predicted step time, tokens/s and "
                                               "peak memory (and skipped or pruned ones, with the reason); launch nothing")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="output folder (default results/<name>/)")
@@ -28,8 +30,10 @@ COMMANDS: list[click.Command] = []
               help="do not measure this machine first: predict on a profile measured here before, else the built-in")
 @click.option("--hardware", default=None, help="predict every run on this profile (name or YAML file; local and "
                                                "debug launchers); nothing is calibrated")
+@from_options
+@click.option("--world-size", type=click.IntRange(min=1), default=None, help="with --from: the GPUs of the run")
 def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive, max_parallel, no_progress,
-          no_report, fail_on_failure, no_calibrate, hardware):
+          no_report, fail_on_failure, no_calibrate, hardware, source, model_config, approximate, blocks, world_size):
     """Run every configuration of a sweep FILE; one row per run in OUT/runs/, all rows in OUT/results.parquet.
 
     A failing run never stops the sweep: it is recorded as failed, oom, timeout or cancelled, and the sweep
@@ -38,7 +42,9 @@ def sweep(file, dry_run, out, resume, retry_failed, launcher, profile, exclusive
 
     from bench.sweep.runner import dry_run_table, prepare, print_counts, run_sweep, summary_table
     from bench.sweep.spec import load_sweep
-    spec = load_sweep(file)
+    if bool(file) == bool(source):
+        raise click.UsageError("give a sweep FILE or --from a framework's config (not both)")
+    spec = spec_from_source(source, world_size, model_config, approximate, blocks) if source else load_sweep(file)
     if profile and (launcher or spec.launcher.kind) != "slurm":
         raise click.UsageError("--profile applies to the slurm launcher; add --launcher slurm")
     out = Path(out or Path("results") / spec.name)
