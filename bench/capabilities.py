@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bench.choices import BACKENDS, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES  # noqa: F401 - re-exported
-from bench.conventions import check_ds_set
+from bench.conventions import check_ds_set, zero3_knobs
 from bench.schedule import SCHEDULES
 
 if TYPE_CHECKING:
@@ -81,6 +81,8 @@ class Capabilities:
     """The fsdp mode a run gets when it names none."""
     ds_set: bool = False
     """Takes DeepSpeed config overrides (`--ds-set`)."""
+    zero3_knobs: bool = False
+    """Runs ZeRO-3's prefetch, live-parameter, reuse and persistence knobs (the `zero3_*` fields) at zero 3."""
 
     def __post_init__(self):
         scaled = set(self.dtypes) & set(NEEDS_LOSS_SCALER)
@@ -98,7 +100,7 @@ CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (
                  schedules=("1f1b",), virtual_stages=False, dtypes=DTYPES, loss_scaler=True, cp_comms=("ulysses",),
                  cp_with_pp=False,  # its pipeline engine reduces over its grid's dp group, never dp × cp
                  ep=True,  # DeepSpeed-MoE (deepspeed.moe)
-                 tied_embeddings_need_one=("tp",), ds_set=True, compile=None,
+                 tied_embeddings_need_one=("tp",), ds_set=True, zero3_knobs=True, compile=None,
                  no_compile_why="its engine owns the module's forward (ZeRO-3 parameter hooks, the pipeline "
                                 "engine's layers); torch.compile of blocks under it is untested here"),
     # FSDP2 (+ DTensor TP, torch.distributed.pipelining PP).
@@ -334,6 +336,10 @@ def _memory_and_sharding(caps: Capabilities, cfg) -> str | None:
 def _options(caps: Capabilities, cfg) -> str | None:
     if cfg.ds_set and not caps.ds_set:
         return f"ds_set applies to backend {_who('ds_set')} only, not {caps.name}"
+    changed = [field for (field, value), (_, default) in zip(zero3_knobs(cfg), zero3_knobs(None)) if value != default]
+    if changed and not (caps.zero3_knobs and cfg.zero == 3):
+        return (f"{changed[0]} applies to backend {_who('zero3_knobs')} at zero=3 only, not backend {caps.name} at "
+                f"zero={cfg.zero}; drop it, or use --zero 3 with backend {_who('zero3_knobs')}")
     if getattr(cfg, "compile", False):
         if caps.compile is None:
             able = [name for name, c in CAPABILITIES.items() if c.compile]

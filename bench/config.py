@@ -33,6 +33,7 @@ from pydantic.dataclasses import dataclass
 
 from bench.capabilities import CAPABILITIES, unsupported_reason
 from bench.choices import BACKENDS, CP_COMMS, DEVICES, DTYPES, FSDP_MODES, RECOMPUTE, ZERO_STAGES
+from bench.conventions import DEEPSPEED_DEFAULTS
 from bench.layout import ORDERS, Layout, ep_split_reason, layout_product, seq_split_reason
 from bench.schedule import SCHEDULES
 from models.config import GPTConfig, get_preset
@@ -67,6 +68,7 @@ def _as_tuple(value):
 Ranks = Annotated[int, Field(ge=1, le=MAX_RANKS)]
 Steps = Annotated[int, Field(ge=1, le=MAX_STEPS)]
 Size = Annotated[int, Field(ge=1, le=1 << 20)]
+Numel = Annotated[int, Field(ge=0, le=1 << 62)]
 Number = lambda **bounds: Annotated[float, Field(**bounds), WrapValidator(_as_written)]  # noqa: E731
 Items = Annotated[tuple, BeforeValidator(_as_tuple)]
 Backend = Literal[BACKENDS]  # typing expands a tuple inside Literal into its values
@@ -144,6 +146,14 @@ class RunConfig:
     """seed of weights and data"""
     device: Literal[DEVICES] = "auto"
     """device (auto = cuda when available, else cpu)"""
+    zero3_param_persistence_threshold: Numel = DEEPSPEED_DEFAULTS["stage3_param_persistence_threshold"]
+    """ZeRO-3 (deepspeed): parameters of at most this many elements stay whole on every rank (stage3_param_persistence_threshold)"""
+    zero3_max_live_parameters: Numel = DEEPSPEED_DEFAULTS["stage3_max_live_parameters"]
+    """ZeRO-3 (deepspeed): elements gathered at once beyond which its prefetcher waits (stage3_max_live_parameters)"""
+    zero3_max_reuse_distance: Numel = DEEPSPEED_DEFAULTS["stage3_max_reuse_distance"]
+    """ZeRO-3 (deepspeed): a parameter reused within this many elements of the trace stays gathered, else it is freed and gathered again (stage3_max_reuse_distance)"""
+    zero3_prefetch_bucket_size: Numel | None = None
+    """ZeRO-3 (deepspeed): elements its prefetcher gathers ahead per op (stage3_prefetch_bucket_size; default: bucket_mb's)"""
     ds_set: Items = ()
     """DeepSpeed config override KEY=VALUE with a dotted key (repeatable)"""
     world_size: Ranks | None = None

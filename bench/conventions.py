@@ -73,7 +73,34 @@ def device_peak(device_name: str) -> DevicePeak | None:
 DEEPSPEED_DEFAULTS = {"stage3_param_persistence_threshold": 100_000, "stage3_prefetch_bucket_size": 50_000_000,
                       "reduce_bucket_size": 500_000_000, "stage3_max_live_parameters": 1_000_000_000,
                       "stage3_max_reuse_distance": 1_000_000_000}
-"""DeepSpeed 0.19's defaults (runtime/zero/config.py) of the `zero_optimization` knobs the cost model reads."""
+"""DeepSpeed 0.19.8's defaults of the `zero_optimization` knobs the cost model reads, from
+deepspeed/runtime/zero/config.py `DeepSpeedZeroConfig`: param_persistence_threshold `pp_int(1e5)`,
+prefetch_bucket_size `pp_int(5e7)`, reduce_bucket_size `pp_int(5e8)`, max_live_parameters and
+max_reuse_distance `pp_int(1e9)` (their aliases are the stage3_* / reduce_* keys)."""
+
+ZERO3_KNOBS = {"zero3_param_persistence_threshold": "stage3_param_persistence_threshold",
+               "zero3_max_live_parameters": "stage3_max_live_parameters",
+               "zero3_max_reuse_distance": "stage3_max_reuse_distance",
+               "zero3_prefetch_bucket_size": "stage3_prefetch_bucket_size"}
+"""RunConfig's ZeRO-3 fields → the `zero_optimization` keys they set (deepspeed backend, zero 3). The
+prefetch bucket's None is `bucket_mb`'s elements, as every bucket of the generated config."""
+
+
+def zero3_knobs(cfg) -> tuple[tuple[str, Any], ...]:
+    """The run's ZeRO-3 fields as (field, value) pairs (hashable); an object without them (a planner
+    shape) has DeepSpeed's defaults."""
+    return tuple((field, getattr(cfg, field, DEEPSPEED_DEFAULTS[key] if field != "zero3_prefetch_bucket_size"
+                                 else None)) for field, key in ZERO3_KNOBS.items())
+
+
+def zero3_section(knobs: tuple[tuple[str, Any], ...], bucket: int) -> dict:
+    """The stage-3 keys of `zero_optimization` from `zero3_knobs` (`bucket`: bucket_mb's elements, the
+    prefetch bucket when the run names none)."""
+    out = {ZERO3_KNOBS[field]: value for field, value in knobs}
+    if out["stage3_prefetch_bucket_size"] is None:
+        out["stage3_prefetch_bucket_size"] = bucket
+    return out
+
 
 ZERO_DEFAULTS = {"contiguous_gradients": True, "reduce_scatter": True}
 """What `zero_optimization` says beside the stage, so the row records every knob that shapes traffic
@@ -116,7 +143,7 @@ def deepspeed_sections(cfg) -> dict:
     zero = {"stage": cfg.zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
             "overlap_comm": cfg.zero == 3, **ZERO_DEFAULTS}
     if cfg.zero == 3:
-        zero["stage3_prefetch_bucket_size"] = bucket
+        zero.update(zero3_section(zero3_knobs(cfg), bucket))
     return {
         "train_batch_size": cfg.global_batch,
         "train_micro_batch_size_per_gpu": cfg.micro_batch,
@@ -181,13 +208,14 @@ def apply_ds_set(config: dict, entries) -> dict:
     return out
 
 
-def deepspeed_settings(bucket_mb: float, grad_bytes_: int, ds_set: tuple) -> dict:
+def deepspeed_settings(bucket_mb: float, grad_bytes_: int, ds_set: tuple, zero3: tuple = ()) -> dict:
     """The knobs of a run's DeepSpeed config (generated, then `ds_set`) that shape traffic and state:
-    persistence threshold, bucket sizes (elements), pipeline partitioning; DeepSpeed's defaults where
-    neither sets them."""
+    persistence threshold, bucket sizes (elements), ZeRO-3's live-parameter and reuse limits, pipeline
+    partitioning; DeepSpeed's defaults where none sets them. `zero3`: the run's ZeRO-3 fields as
+    `zero3_knobs` (hashable: the analysis caches on these arguments)."""
     bucket = int(bucket_mb * 2**20 / grad_bytes_)  # elements, as deepspeed_sections sets both
-    config = apply_ds_set({"zero_optimization": {"stage3_prefetch_bucket_size": bucket,
-                                                 "reduce_bucket_size": bucket}}, ds_set)
+    stage3 = zero3_section(zero3, bucket) if zero3 else {"stage3_prefetch_bucket_size": bucket}
+    config = apply_ds_set({"zero_optimization": {**stage3, "reduce_bucket_size": bucket}}, ds_set)
     zero, pipe = config.get("zero_optimization", {}), config.get("pipeline", {})
     return {**{k: zero.get(k, v) for k, v in DEEPSPEED_DEFAULTS.items()},
             "pipe_partitioned": pipe.get("pipe_partitioned", True),

@@ -81,6 +81,26 @@ SLOW = [
 ]
 
 
+# ZeRO-3's knobs (issue 23): parameters freed inside a micro-batch are gathered again in backward, every
+# micro-batch (bench.analysis.zero3 replays DeepSpeed's coordinator). tiny's parameters: 64-element norms,
+# a 2,048-element position table, 4,096-16,384-element matrices; 0 frees everything after its use (the
+# ZeRO paper's ZeRO-3: forward and backward gather every parameter); DeepSpeed's defaults keep all of
+# tiny whole (each ≤ 100,000 elements: nothing gathered in the step, every one after it); "partial" keeps
+# the norms whole, and its budget (40,000 live, reuse within 20,000, 20,000 per prefetch) frees some
+# parameters and keeps others; "loose" keeps the position table whole too, and frees less.
+ZERO3_KNOBS = {
+    "zero": dict(zero3_param_persistence_threshold=0, zero3_max_live_parameters=0, zero3_max_reuse_distance=0),
+    "defaults": {},
+    "partial": dict(zero3_param_persistence_threshold=100, zero3_max_live_parameters=40_000,
+                    zero3_max_reuse_distance=20_000, zero3_prefetch_bucket_size=20_000),
+    "loose": dict(zero3_param_persistence_threshold=3_000, zero3_max_live_parameters=100_000,
+                  zero3_max_reuse_distance=60_000, zero3_prefetch_bucket_size=30_000),
+}
+KNOBS = [dict(backend="deepspeed", dp=2, zero=3, micro_batches=mb, **knobs)
+         for knobs in ZERO3_KNOBS.values() for mb in (1, 4)] + \
+        [dict(backend="fsdp", dp=2, micro_batches=4, fsdp=mode) for mode in ("full", "grad-op")]  # reshard_after_forward True, False
+
+
 def _mismatches(row: dict, cfg: RunConfig) -> list[str]:
     """Every predicted column that differs from its measurement: comm bytes, wire bytes and ops per
     dimension and per kind of collective, and the model-state bytes (one accounting rule)."""
@@ -125,6 +145,18 @@ def test_predicted_context_parallel_comm_and_state_equal_measured(pools):
 @pytest.mark.parametrize("options", SLOW, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_predicted_comm_equals_measured_all_backends(pools, options):
     _check_all(pools, [options])
+
+
+def test_predicted_zero3_knobs_and_fsdp_reshard_equal_measured(pools):
+    """ZeRO-3 at stage3_param_persistence_threshold / max_live_parameters / max_reuse_distance /
+    prefetch_bucket_size 0, DeepSpeed's defaults and two settings between, gradient accumulation 1 and 4;
+    FSDP2 with reshard_after_forward true (full: a second all-gather per block in backward) and false
+    (grad-op: none), accumulating 4. Bytes, wire bytes and ops per dimension and collective kind, and
+    model state: exact. The issue's case (everything 0, accumulation 1) measured 1,395,464 dp wire bytes,
+    which the model had at 930,312 before the backward re-gather."""
+    _check_all(pools, KNOBS)
+    zero = RunConfig(**BASE, **KNOBS[0])
+    assert estimate(zero, mixed_state=default_mixed_state(zero), activations="suite")["comm_wire_bytes_dp"] == 1_395_464
 
 
 def _count_functional_collectives_on_rank(n: int) -> dict:

@@ -100,7 +100,32 @@ def test_ds_set_overrides_dotted_keys_with_yaml_scalars():
     assert c["new_key"] == "auto"  # unknown top-level keys pass through: DeepSpeed may accept them
 
 
+def test_zero3_fields_reach_deepspeeds_json_and_ds_set_still_wins():
+    """The RunConfig's ZeRO-3 fields are the generated config's stage3_* keys (at zero 3 only), read back
+    by DeepSpeed's own config class; unset, they are DeepSpeed's defaults (the prefetch bucket bucket_mb's)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    knobs = dict(zero3_param_persistence_threshold=10, zero3_max_live_parameters=20, zero3_max_reuse_distance=30,
+                 zero3_prefetch_bucket_size=40)
+    parsed = DeepSpeedZeroConfig(**dsc.final_config(RunConfig(backend="deepspeed", zero=3, dp=2, **knobs))["zero_optimization"])
+    assert (parsed.param_persistence_threshold, parsed.max_live_parameters, parsed.max_reuse_distance,
+            parsed.prefetch_bucket_size) == (10, 20, 30, 40)
+    default = DeepSpeedZeroConfig(**dsc.final_config(RunConfig(backend="deepspeed", zero=3, dp=2))["zero_optimization"])
+    assert (default.param_persistence_threshold, default.max_live_parameters, default.max_reuse_distance) == \
+        (DeepSpeedZeroConfig().param_persistence_threshold, DeepSpeedZeroConfig().max_live_parameters,
+         DeepSpeedZeroConfig().max_reuse_distance)
+    assert default.prefetch_bucket_size == dsc.final_config(RunConfig(backend="deepspeed", zero=3, dp=2))[
+        "zero_optimization"]["reduce_bucket_size"]
+    overridden = dsc.final_config(RunConfig(backend="deepspeed", zero=3, dp=2, zero3_max_live_parameters=5,
+                                            ds_set=("zero_optimization.stage3_max_live_parameters=7",)))
+    assert overridden["zero_optimization"]["stage3_max_live_parameters"] == 7
+    assert "stage3_max_live_parameters" not in dsc.final_config(RunConfig(backend="deepspeed", zero=2, dp=2))[
+        "zero_optimization"]
+
+
 @pytest.mark.parametrize("kwargs,message", [
+    (dict(zero=2, dp=2, zero3_max_live_parameters=0), r"zero3_max_live_parameters applies to backend deepspeed at zero=3 only"),
+    (dict(backend="fsdp", dp=2, zero3_max_reuse_distance=0), "zero3_max_reuse_distance applies to backend deepspeed"),
+    (dict(zero=3, zero3_param_persistence_threshold=-1), "zero3_param_persistence_threshold must be a non-negative"),
     (dict(pp=2, zero=2), "zero=2 is incompatible with pipeline parallel"),
     (dict(pp=2, zero=3), "zero=3 is incompatible with pipeline parallel"),
     (dict(dtype="fp16-mixed", device="cpu"), "fp16"),
@@ -122,7 +147,7 @@ def test_ds_set_overrides_dotted_keys_with_yaml_scalars():
 ])
 def test_bad_options_rejected_before_processes_start(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        RunConfig(backend="deepspeed", **kwargs)
+        RunConfig(**{"backend": "deepspeed", **kwargs})
 
 
 @pytest.mark.parametrize("order", ["tp-pp-dp", "tp-dp-pp"])

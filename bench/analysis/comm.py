@@ -35,7 +35,8 @@ What each dimension moves (b sequences × s tokens per micro-batch, hidden h, X 
 - DeepSpeed (0.19, as measured and read in its source): its own rules, each term with its reason in
   `_deepspeed_tp`, `_deepspeed_pp`, `_deepspeed_dp`, `_deepspeed_zero3` and `_deepspeed_scalars`:
   the pipeline splits what it sends over tp, ZeRO-1/2 all-reduce (not reduce-scatter) in reduce
-  buckets, ZeRO-3 gathers what its prefetcher fetches (`params.zero3_prefetch_gathers`), and the
+  buckets, ZeRO-3 gathers what its coordinator fetches, prefetches and, once the live-parameter budget
+  or the reuse distance freed a parameter, gathers again in backward (`params.zero3_gathers`), and the
   optimizer reduces a few scalars per step over dp and over its model-parallel group.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ from bench.analysis.params import (
     deepspeed_settings,
     deepspeed_zero3_split,
     zero3_padded_sums,
-    zero3_prefetch_gathers,
+    zero3_gathers,
 )
 from bench.capabilities import engine
 from bench.conventions import wire_bytes
@@ -242,24 +243,21 @@ def _deepspeed_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
 
 
 def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
-    """DeepSpeed ZeRO-3 (`deepspeed_zero3_split` says which parameters stay whole)."""
+    """DeepSpeed ZeRO-3 (`deepspeed_zero3_split` says which parameters stay whole; `bench.analysis.zero3`
+    derives its gathers, every micro-batch the same)."""
     cfg, mb, n_dp = plan.cfg, plan.cfg.micro_batches, data_ranks(plan.cfg)
-    kept, parted = deepspeed_zero3_split(plan, stage)
+    kept, _ = deepspeed_zero3_split(plan, stage)
     kept_padded, parted_padded = zero3_padded_sums(plan, stage)
     ds = deepspeed_settings(cfg)
     out = []
     if kept:  # persistent parameters: whole on every rank, re-gathered one by one after the step
         out.append(Traffic("dp", "all_gather", sum(kept) * param_b / len(kept), len(kept), n_dp,
                            "persistent parameters", "step"))
-    if parted:  # gathered by DeepSpeed's prefetcher, replayed in `zero3_prefetch_gathers`; kept
-        # gathered until the micro-batch ends (max_reuse_distance), so backward gathers nothing again
-        gathers = zero3_prefetch_gathers(plan, stage)
-        if gathers is None:  # too big to replay: one all-gather per bucket's worth, an approximation
-            total = parted_padded
-            k = _buckets(total, ds["stage3_prefetch_bucket_size"])
-            gathers = [total / k] * k
-        out.append(Traffic("dp", "all_gather", sum(gathers) * param_b / len(gathers), len(gathers) * mb, n_dp,
-                           "partitioned parameters (prefetched)"))
+    gathers = zero3_gathers(plan, stage)  # its coordinator replayed: fetches, prefetches, backward re-gathers
+    for what, sizes in (("forward", gathers.forward), ("backward", gathers.backward)):
+        if sizes:
+            out.append(Traffic("dp", "all_gather", sum(sizes) * param_b / len(sizes), len(sizes) * mb, n_dp,
+                               f"partitioned parameters ({what})"))
     # every gradient, persistent or not, is reduce-scattered during each micro-batch's backward
     # through the ipg bucket, which is flushed before a gradient that would overflow it
     grads = kept_padded + parted_padded
@@ -268,10 +266,6 @@ def _deepspeed_zero3(plan, stage: int, grad_b: int, param_b: int) -> list[Traffi
             # the overflow / gradient-norm check: one fp64 scalar
             *_deepspeed_scalars(cfg, "dp", n_dp)]
     return out
-
-
-def _buckets(numel: float, bucket: float) -> int:
-    return max(1, -(-int(numel) // int(bucket)))
 
 
 @lru_cache(maxsize=65536)

@@ -58,7 +58,7 @@ from bench.analysis.params import (
     deepspeed_settings,
     deepspeed_zero3_split,
     zero3_padded_sums,
-    zero3_prefetch_gathers,
+    zero3_gathers,
     zero12_padded,
 )
 from bench.capabilities import FSDP_SHARDS, ZERO_SHARDS, engine
@@ -435,10 +435,9 @@ def _zero3_resident(plan, stage: int) -> float:
 def _zero3_gather_bytes(plan, stage: int, prec: Precision) -> float:
     """ZeRO-3 at the end of the forward: the resident gathered parameters and the flat output of the
     largest coalesced all-gather (one prefetch bucket at most), from which they were copied."""
-    gathers = zero3_prefetch_gathers(plan, stage)
-    if gathers is None:  # parameters released within the micro-batch: one prefetch bucket at a time
-        gathers = [deepspeed_settings(plan.cfg)["stage3_prefetch_bucket_size"]]
-    flat = max(gathers, default=0)
+    # the forward's gathers as without recomputation, which changes what backward gathers (model state is
+    # cached across recompute modes: STATE_UNREAD)
+    flat = max(zero3_gathers(plan, stage, recompute="none").forward, default=0)
     resident = _zero3_resident(plan, stage)
     return (resident + min(flat, resident)) * prec.param
 

@@ -10,12 +10,12 @@ under sequence parallel their gradients are partial per sequence chunk and get s
 """
 from __future__ import annotations
 
-from collections import deque
 from functools import lru_cache
 
 from bench import conventions
 from bench.capabilities import engine
 from bench.conventions import grad_bytes
+from bench.analysis.zero3 import Gathers, gpt_tree, replay
 from bench.schedule import partition, rank_chunks
 from models.config import GPTConfig, ParamSpec, block_table, embed_table, final_table, head_spec
 
@@ -157,7 +157,8 @@ def deepspeed_settings(cfg) -> dict:
     """The knobs of the DeepSpeed config the run gets (generated, then `ds_set`) that shape traffic
     and state: persistence threshold, bucket sizes (elements), pipeline partitioning. Defaults are
     DeepSpeed 0.19's. Cached on what it reads (the planner asks once per candidate and stage)."""
-    return _deepspeed_settings(cfg.bucket_mb, grad_bytes(cfg), getattr(cfg, "ds_set", ()))  # the planner's shapes have none
+    return _deepspeed_settings(cfg.bucket_mb, grad_bytes(cfg), getattr(cfg, "ds_set", ()),  # the planner's shapes
+                               conventions.zero3_knobs(cfg))                             # have none
 
 
 _deepspeed_settings = lru_cache(maxsize=4096)(conventions.deepspeed_settings)
@@ -207,61 +208,23 @@ def zero12_padded(numel: int, dp: int) -> int:
     return -(-numel // (2 * dp)) * (2 * dp)
 
 
-def zero3_prefetch_gathers(plan, stage: int) -> tuple[int, ...] | None:
-    """Element counts (whole, padded to dp) of the all-gathers DeepSpeed ZeRO-3 issues in one
-    micro-batch, by replaying its prefetcher (partitioned_param_coordinator.fetch_sub_module) over
-    this model's module trace: at each module's forward (parameterless ones included) it gathers
-    the module's parameters not yet available, then pops the recorded trace and gathers, in one
-    op, the parameters not yet available until their numel reaches stage3_prefetch_bucket_size.
-    None when the replay does not hold: parameters would be released before the micro-batch ends
-    (the stage's parameters exceed stage3_max_live_parameters or stage3_max_reuse_distance).
-    Cached per rank shape, dp and the settings it reads."""
-    ds = deepspeed_settings(plan.cfg)
-    return _zero3_prefetch_gathers(*plan._key(stage), data_ranks(plan.cfg), ds["stage3_prefetch_bucket_size"],
-                                   min(ds["stage3_max_live_parameters"], ds["stage3_max_reuse_distance"]),
-                                   ds["stage3_param_persistence_threshold"])
+def zero3_gathers(plan, stage: int, recompute: str | None = None) -> Gathers:
+    """The all-gathers DeepSpeed ZeRO-3 issues in one steady-state micro-batch, forward and backward (the
+    backward re-gathers what the live-parameter budget or the reuse distance freed), by replaying its
+    coordinator (`bench.analysis.zero3`) under the run's recomputation, or `recompute`. Cached per rank
+    shape, dp and the settings it reads."""
+    cfg, ds = plan.cfg, deepspeed_settings(plan.cfg)
+    return _zero3_gathers(*plan._key(stage), data_ranks(cfg), ds["stage3_prefetch_bucket_size"],
+                          ds["stage3_max_live_parameters"], ds["stage3_max_reuse_distance"],
+                          ds["stage3_param_persistence_threshold"], recompute or cfg.recompute, cfg.cp > 1 and cfg.cp_comm == "ulysses")
 
 
 @lru_cache(maxsize=65536)
-def _zero3_prefetch_gathers(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, dp: int, bucket: int,
-                            live: int, threshold: int) -> tuple[int, ...] | None:
+def _zero3_gathers(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, dp: int, bucket: int,
+                   max_live: int, max_reuse: int, threshold: int, recompute: str, ulysses: bool) -> Gathers:
     params = [(name, numel(shape)) for chunk in stage_chunk_params(m, tp, pp, virtual_stages, stage)
               for name, shape, _ in chunk]
-    if sum(n for _, n in params) + bucket > live:
-        return None
-    sizes = [n for _, n in params]
-    available = {i for i, n in enumerate(sizes) if n <= threshold}
-    trace = _module_trace([name for name, _ in params])
-    queue = deque(i for _, mine in trace for i in mine)
-    gathers = []
-    for _, mine in trace:
-        need = [i for i in mine if i not in available]
-        if need:
-            gathers.append(need)
-            available.update(need)
-        while queue and queue[0] in mine:  # this module's own entries of the trace
-            queue.popleft()
-        batch, batch_numel = [], 0
-        while queue and batch_numel < bucket:
-            i = queue.popleft()
-            if i not in available and i not in batch:
-                batch.append(i)
-                batch_numel += sizes[i]
-        if batch:
-            gathers.append(batch)
-            available.update(batch)
-    return tuple(sum(zero3_padded(sizes[i], dp) for i in g) for g in gathers)
-
-
-def _module_trace(names: list[str]) -> list[tuple[str, list[int]]]:
-    """The modules in the order their forward runs (pre-order: the root, then each parent before its
-    children; the ModuleList of blocks has no forward), each with the indices of its own parameters."""
-    order: dict[str, list[int]] = {"": []}
-    for i, name in enumerate(names):
-        parts = name.split(".")[:-1]
-        for depth in range(1, len(parts) + 1):
-            module = ".".join(parts[:depth])
-            if module != "blocks":
-                order.setdefault(module, [])
-        order[".".join(parts)].append(i)
-    return list(order.items())
+    names, sizes = tuple(n for n, _ in params), tuple(n for _, n in params)
+    tied = names.index("embed.tok.weight") if m.tie_embeddings and "embed.tok.weight" in names else None
+    persistent = frozenset(i for i, n in enumerate(sizes) if n <= threshold)
+    return replay(gpt_tree(names, tied, recompute, ulysses), sizes, dp, persistent, bucket, max_live, max_reuse)

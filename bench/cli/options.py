@@ -20,7 +20,8 @@ MODEL_FIELDS = ("model", "model_overrides")
 LAYOUT_FIELDS = ("tp", "cp", "pp", "dp", "ep", "order", "world_size")
 """How ranks are arranged (all `bench layout` needs without a model)."""
 ENGINE_FIELDS = ("backend", "cp_comm", "zero", "fsdp", "schedule", "virtual_stages", "micro_batch", "micro_batches", "seq",
-                 "dtype", "sequence_parallel", "recompute", "bucket_mb", "ds_set", "device")
+                 "dtype", "sequence_parallel", "recompute", "bucket_mb", "zero3_param_persistence_threshold",
+                 "zero3_max_live_parameters", "zero3_max_reuse_distance", "zero3_prefetch_bucket_size", "ds_set", "device")
 """How the step is trained: what the cost model reads beside the layout."""
 MEASUREMENT_FIELDS = ("compile", "steps", "warmup", "seed", "repeat", "fault", "timeout_s", "profile")
 """What only a measured run reads: its steps, seed, compilation, test faults, time limit and profiler."""

@@ -12,6 +12,7 @@ import traceback
 from dataclasses import dataclass
 
 from bench.config import DEFAULTS, ConfigError, RunConfig, _digest, model_config
+from bench.conventions import ZERO3_KNOBS
 from bench.environment import environment
 from bench.results.schema import COLUMNS, PROBLEMS, SCHEMA_VERSION, Status, comm_columns
 
@@ -40,7 +41,7 @@ def _row(config: dict, status: Status | str, error: str | None, failed_rank: int
             "failed_rank": failed_rank, **environment()}
 
 
-HASHED_OFF_DEFAULT = {name: DEFAULTS[name] for name in ("compile", "profile", "cp", "cp_comm", "ep")}
+HASHED_OFF_DEFAULT = {name: DEFAULTS[name] for name in ("compile", "profile", "cp", "cp_comm", "ep", *ZERO3_KNOBS)}
 """RunConfig fields added after the refused configs' ids were fixed → their default (left out of the hash
 while at it, so the skipped rows of older sweeps keep their ids, as RunConfig.canonical leaves out every
 default)."""
