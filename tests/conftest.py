@@ -1,5 +1,8 @@
 """Shared fixtures. Multi-rank tests share warm rank pools per world size (start-up is most of a
 small run on this machine); a pool whose run failed restarts by itself."""
+import subprocess
+import sys
+
 import pytest
 
 from bench.spawn import RankPool
@@ -25,3 +28,21 @@ def pools():
     yield get
     for pool in cache.values():
         pool.close()
+
+
+@pytest.fixture
+def bench(capsys, monkeypatch):
+    """`bench ARGS…` as a user runs it (bench.cli.main: its error handling and exit status), in this
+    process: a new interpreter per call costs seconds of imports on this machine."""
+    from bench.cli import main
+
+    def call(*args):
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", ["bench", *map(str, args)])
+        with pytest.raises(SystemExit) as exit_:
+            main()
+            sys.exit(0)
+        out = capsys.readouterr()
+        assert "Traceback" not in out.err, out.err
+        return subprocess.CompletedProcess(args, exit_.value.code or 0, out.out, out.err)
+    return call

@@ -129,24 +129,6 @@ def sets(pools, tmp_path_factory):
     return result_sets(pools, tmp_path_factory.mktemp("runs"))
 
 
-@pytest.fixture
-def bench(capsys, monkeypatch):
-    """`bench ARGS…` as a user runs it (bench.cli.main: its error handling and exit status), in this
-    process: a new interpreter per call costs seconds of imports on this machine."""
-    from bench.cli import main
-
-    def call(*args):
-        capsys.readouterr()
-        monkeypatch.setattr(sys, "argv", ["bench", *map(str, args)])
-        with pytest.raises(SystemExit) as exit_:
-            main()
-            sys.exit(0)
-        out = capsys.readouterr()
-        assert "Traceback" not in out.err, out.err
-        return subprocess.CompletedProcess(args, exit_.value.code or 0, out.out, out.err)
-    return call
-
-
 def test_cli_entry_point_runs_compare(sets):
     """Once through the installed entry point in a fresh interpreter, as a user or CI calls it."""
     out = subprocess.run([sys.executable, "-c", "from bench.cli import main; main()", "compare",

@@ -227,23 +227,6 @@ def test_hf_config_gives_the_shape():
 
 # --- the command line ----------------------------------------------------------------------------------------
 
-@pytest.fixture
-def bench(capsys, monkeypatch):
-    """`bench ARGS…` in this process (bench.cli.main: its error handling and exit status)."""
-    from bench.cli import main
-
-    def call(*args):
-        capsys.readouterr()
-        monkeypatch.setattr(sys, "argv", ["bench", *map(str, args)])
-        with pytest.raises(SystemExit) as exit_:
-            main()
-            sys.exit(0)
-        out = capsys.readouterr()
-        assert "Traceback" not in out.err, out.err
-        return subprocess.CompletedProcess(args, exit_.value.code or 0, out.out, out.err)
-    return call
-
-
 def test_import_writes_a_sweep_that_expands_to_the_config(bench, tmp_path):
     from bench.sweep.spec import expand, load_sweep
     source = CORPUS / "megatron_gpt3_7b_tp1_pp4.yaml"

@@ -6,7 +6,7 @@ import click
 
 from bench.cli.ecosystem import config_from_source, emit, from_options
 from bench.cli.options import (ENGINE_FIELDS, FRACTION, LAYOUT_FIELDS, MODEL_FIELDS, config_from_options, config_options,
-                               echo_json, given_options, number, positive_int, refuse_unused)
+                               echo_json, given_options, number, positive_int, refuse_unused, write_text_atomically)
 
 COMMANDS: list[click.Command] = []
 
@@ -259,19 +259,14 @@ def describe_short(cfg) -> str:
 
 def _emit_sweep(path: str, result, model: str, gpus: int, gpus_per_node: int, hardware: str,
                 global_batch: int) -> None:
-    """Write the plan's top configs as a sweep file (write then rename: never half a file)."""
-    import os
+    """Write the plan's top configs as a sweep file."""
     import time
-    from pathlib import Path
 
     from bench.analysis.planner import sweep_text
     text = sweep_text(result, model, gpus, gpus_per_node, hardware, global_batch, _command_line(),
                       time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, target)
-    click.echo(f"wrote {target} ({len(result.configs)} run(s)): bench sweep {target} --launcher slurm", err=True)
+    write_text_atomically(path, text)
+    click.echo(f"wrote {path} ({len(result.configs)} run(s)): bench sweep {path} --launcher slurm", err=True)
 
 
 def _command_line() -> str:

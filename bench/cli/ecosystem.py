@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from bench.cli.options import echo_json, positive_int
+from bench.cli.options import echo_json, positive_int, write_text_atomically
 
 COMMANDS: list[click.Command] = []
 STATUS_ORDER = ("mapped", "defaulted", "conflict", "dropped")
@@ -115,9 +115,7 @@ def import_(source, args, world_size, model_config, model, out, approximate, as_
         for imp in imports:
             _print_import(imp)
     if out and (exact or approximate):
-        from pathlib import Path
-        name = source_name(source)
-        Path(out).write_text(sweep_text(imports, name, "bench import " + " ".join(sys.argv[2:])))
+        write_text_atomically(out, sweep_text(imports, source_name(source), "bench import " + " ".join(sys.argv[2:])))
         click.echo(f"wrote {out} ({len(imports)} run(s)): bench sweep {out}", err=True)
     elif out:
         click.echo(f"{out} not written: not exactly expressible (add --approximate to write the closest configs)", err=True)
@@ -170,8 +168,7 @@ def emit(cfg, to: str, out: str | None) -> None:
     from bench.ecosystem import deepspeed_launch, export as render
     text = render(cfg, to)
     if out:
-        from pathlib import Path
-        Path(out).write_text(text)
+        write_text_atomically(out, text)
         click.echo(f"wrote {out} ({to}, run_id {cfg.run_id})", err=True)
     else:
         click.echo(text, nl=False)
@@ -182,11 +179,10 @@ def emit(cfg, to: str, out: str | None) -> None:
 def _config_of_sweep(path: str, run_id: str | None):
     from bench.config import ConfigError
     from bench.sweep.spec import expand, load_sweep
-    runs = expand(load_sweep(path)).runs
-    if run_id:
-        runs = [r for r in runs if r.run_id == run_id]
+    every = expand(load_sweep(path)).runs
+    runs = [r for r in every if r.run_id == run_id] if run_id else every
     if len(runs) != 1:
-        ids = ", ".join(r.run_id for r in expand(load_sweep(path)).runs[:8])
+        ids = ", ".join(r.run_id for r in every[:8])
         raise ConfigError(f"{path}: {'no run ' + run_id if run_id else f'{len(runs)} runs'}; pick one with --run-id ({ids})")
     return runs[0]
 

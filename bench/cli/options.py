@@ -120,3 +120,13 @@ def refuse_unused(options: dict, used, why: str) -> None:
 
 def echo_json(obj) -> None:
     click.echo(json.dumps(obj, default=str, allow_nan=True))
+
+
+def write_text_atomically(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: a reader never sees half a file."""
+    import os
+    from pathlib import Path
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
