@@ -13,6 +13,7 @@ which would travel as shared memory that dies with the rank.
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -24,6 +25,9 @@ from bench.config import RunConfig
 from bench.analysis.estimate import with_predictions
 from bench.results import classify_error, failure_row
 
+MAX_RANK_THREADS = 64
+"""A warm rank holds about 7-11 threads between runs (torch's own and a cached gloo group or two);
+past this bound something leaks, and the rank is retired."""
 _RANK_ENV = {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu"}
 
 
@@ -74,6 +78,10 @@ def _rank_main(rank: int, world: int, tasks: mp.Queue, results: mp.Queue, log: s
             results.put((rank, "ok", fn(*args)))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
             results.put((rank, "error", worker.format_exception(exc)))
+        # A run's process groups sit in reference cycles (engines, hooks, meshes), and each gloo group
+        # keeps a device loop and two worker threads until it is freed: without a collection after every
+        # call a warm rank gathered hundreds of threads over the test suite, which then ran 3x slower.
+        gc.collect()
 
 
 def _worker_row(cfg_dict: dict, trace_dir: str | None = None) -> dict | None:
@@ -129,7 +137,20 @@ class RankPool:
                 self.kill()
                 raise RankFailure(classify_error(payload), f"rank {rank} failed:\n{payload}", rank)
             values[rank] = payload
+        self._retire_if_bloated()
         return [values[r] for r in range(self.world)]
+
+    def _retire_if_bloated(self) -> None:
+        """Stop the ranks once one holds more than MAX_RANK_THREADS threads (the next call starts fresh
+        ones): a group held from torch's C++ side (a tensor hook that keeps its engine: bench.native.data)
+        escapes the collection, and a warm rank must not slow every run after it."""
+        import psutil
+        try:
+            threads = max(psutil.Process(p.pid).num_threads() for p in self._procs)
+        except psutil.Error:
+            return
+        if threads > MAX_RANK_THREADS:
+            self.close()
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")

@@ -16,6 +16,8 @@ Context parallel: every bucket reduces over dp × cp (`ProcessGroups.dp_cp`), an
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -43,7 +45,7 @@ class DataParallel:
         for bucket in self.all_buckets:
             for p in bucket.params:
                 self._bucket_of[id(p)] = bucket
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(_weak_hook(self._on_grad))
 
     @property
     def all_buckets(self) -> list[Bucket]:
@@ -82,6 +84,14 @@ class DataParallel:
     def after_step(self) -> None:
         for bucket in self.all_buckets:
             bucket.gather_params()
+
+
+def _weak_hook(method):
+    """A parameter's hook lives on torch's C++ side, where the garbage collector cannot see it: a hook
+    that held this DataParallel (and so its buckets, parameters and dp group) would keep all of it
+    alive after the run, gloo threads included. It holds it weakly."""
+    ref = weakref.WeakMethod(method)
+    return lambda p: ref()(p)
 
 
 def _unique(params):
