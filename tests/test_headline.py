@@ -43,7 +43,7 @@ BUBBLE_CASES = [dict(schedule="gpipe", micro_batches=4), dict(schedule="1f1b", m
 
 @pytest.mark.parametrize("case", BUBBLE_CASES, ids=lambda c: f"{c['schedule']}-m{c['micro_batches']}")
 def test_measured_bubble_matches_the_simulated_schedule(pools, case):
-    cfg = RunConfig(model="tiny", pp=2, micro_batch=1, steps=1, warmup=1, fault="stage_sleep:80", **case)
+    cfg = RunConfig(model="tiny", pp=2, micro_batch=1, steps=1, warmup=1, fault="stage_sleep:150", **case)
     row = run_ok(pools, cfg)
     v = cfg.virtual_stages
     orders = [schedule(cfg.schedule, cfg.micro_batches, cfg.pp, r, v) for r in range(cfg.pp)]

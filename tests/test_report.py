@@ -179,13 +179,14 @@ def test_labels_and_figures_name_cp_only_where_it_is_used():
 
 
 def test_a_planted_straggler_is_flagged_with_its_rank(pools, tmp_path):
-    """One rank slowed by 150 ms a step (fault slow_rank, the last rank): its row names it as the slowest
+    """One rank slowed by 400 ms a step (fault slow_rank, the last rank; more than a tiny step takes on a
+    loaded machine, so the spread clears the bar with room): its row names it as the slowest
     with a spread past STRAGGLER_SPREAD; the report's per-rank view marks it and `bench compare` finds it
     new against a baseline without one (gated unless --exact-only)."""
     from bench.config import RunConfig
     from bench.report.compare import STRAGGLER_SPREAD, compare
     from support.report_runs import write_rows
-    cfg = RunConfig(model="tiny", dp=2, steps=3, warmup=1, fault="slow_rank:150")
+    cfg = RunConfig(model="tiny", dp=2, steps=3, warmup=1, fault="slow_rank:400")
     row = pools(2).run(cfg)
     assert row["status"] == "ok", row["error"]
     per_rank = json.loads(row["step_time_s_per_rank"])
