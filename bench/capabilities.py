@@ -67,6 +67,9 @@ class Capabilities:
     ep_implemented: bool = False
     """Its engine runs ep > 1 today; False (with `ep`): refused as not implemented yet. The engine that adds
     expert parallel flips this one flag."""
+    moe_needs_one: tuple[str, ...] = ()
+    """Dimensions that must be 1 for a mixture-of-experts model (what this engine's MoE block does not
+    combine with yet)."""
     recompute: tuple[str, ...] = RECOMPUTE
     """Activation recomputation modes (bench.surgery.apply_recompute)."""
     compile: str | None = "torch.compile of each block (bench.surgery.compile_blocks)"
@@ -93,7 +96,10 @@ CAPABILITIES: dict[str, Capabilities] = {c.name: c for c in (
     # Megatron-style TP × PP × DP with its own buckets and ZeRO-1 (bench/native).
     # fp16-mixed: bench.loss_scale's dynamic scaler (native, fsdp, ddp).
     Capabilities("native", zero=(0, 1), sequence_parallel=True, cp_comms=("ring",), tied_embeddings_need_one=("pp",), dtypes=DTYPES,
-                 loss_scaler=True, ep=True),
+                 loss_scaler=True, ep=True, ep_implemented=True,
+                 # tp: the expert stacks are not cut over tp yet and the router's gradient would be partial per
+                 # tp rank; cp: the aux loss's per-sequence sums would be each cp rank's share, not the sequence's
+                 moe_needs_one=("tp", "cp")),
     # DeepSpeed: ZeRO 0-3; its PipelineEngine (1F1B, ZeRO ≤ 1); the native TP layers, which shard
     # embedding and head separately; its fp16 section scales the loss.
     Capabilities("deepspeed", zero=ZERO_STAGES, pipeline_zero=(0, 1), pipeline_engine="DeepSpeed's pipeline engine",
@@ -278,6 +284,11 @@ def _parallelism(caps: Capabilities, cfg) -> str | None:
         return f"backend {name} has no expert parallel: needs ep = 1, got ep={cfg.ep} (backends {_who('ep')} have one)"
     if cfg.ep > 1 and not caps.ep_implemented:
         return f"expert parallel is not implemented on backend {name} yet: needs ep = 1, got ep={cfg.ep}"
+    if cfg.model_config.experts:
+        for dim in caps.moe_needs_one:
+            if getattr(cfg, dim) > 1:
+                return (f"backend {name}: {dim} > 1 with a mixture-of-experts model is not supported yet; "
+                        f"use {dim} = 1 (ep and dp split the experts)")
     if cfg.sequence_parallel and not caps.sequence_parallel:
         return f"backend {name}: sequence_parallel is not supported ({_who('sequence_parallel')} engine only)"
     if cfg.model_config.tie_embeddings:

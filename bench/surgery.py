@@ -161,6 +161,7 @@ def fill_from_init(module: nn.Module, cfg: GPTConfig, seed: int, *, prefix: str 
     rows and narrows. Names are the full GPT's: `prefix` + the name inside `module` (a pipeline piece
     holding block 3 as "3" passes prefix "blocks.")."""
     from torch.distributed.tensor import DTensor
+    first_experts = {id(p): getattr(m, "first_expert", 0) for m in module.modules() for p in m.parameters(recurse=False)}
     for local_name, p in module.named_parameters():
         name = prefix + local_name
         if hasattr(p, "ds_tensor"):
@@ -168,20 +169,24 @@ def fill_from_init(module: nn.Module, cfg: GPTConfig, seed: int, *, prefix: str 
         elif isinstance(p, DTensor):
             _fill_dtensor(p, name, cfg, seed)
         else:
-            _fill_tp_slice(p, name, cfg, seed, tp_rank, tp)
+            _fill_tp_slice(p, name, cfg, seed, tp_rank, tp, first_experts[id(p)])
 
 
-def _fill_tp_slice(p: torch.Tensor, name: str, cfg: GPTConfig, seed: int, rank: int, tp: int) -> None:
+def _fill_tp_slice(p: torch.Tensor, name: str, cfg: GPTConfig, seed: int, rank: int, tp: int,
+                   first_expert: int = 0) -> None:
+    """`first_expert`: under expert parallel, a stack (E/ep, out, in) holds experts [first, first + E/ep)."""
     dim = split_dim(name) if tp > 1 else None
-    if dim is None:
-        init_fill_(p, name, p.shape, cfg, seed)
-        return
     shape = list(p.shape)
+    if p.dim() == 3:
+        shape[0] = cfg.experts  # the full stack, whatever share of it this rank holds
+    if dim is None:  # whole experts are one flat range of the full value
+        init_fill_(p, name, shape, cfg, seed, start=first_expert * math.prod(shape[1:]))
+        return
     shape[dim] *= tp  # the full parameter's shape
     if p.dim() == 3:  # experts (E, out, in): expert e's matrix is values [e·m, (e + 1)·m) of the full value
         m = math.prod(shape[1:])
         for e in range(p.shape[0]):
-            _fill_matrix_slice(p[e], name, shape, cfg, seed, rank, dim - 1, e * m)
+            _fill_matrix_slice(p[e], name, shape, cfg, seed, rank, dim - 1, (first_expert + e) * m)
     else:
         _fill_matrix_slice(p, name, shape, cfg, seed, rank, dim, 0)
 

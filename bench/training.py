@@ -19,6 +19,7 @@ from bench.data import micro_batches
 from bench.distributed import ProcessGroups
 from bench.metrics.memory import optimizer_tensors
 from bench.surgery import split_dim
+from models.config import role_spec
 
 # One optimizer for every backend, so losses are comparable (torch AdamW; DeepSpeed takes it as client).
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -111,6 +112,21 @@ def whole_over_tp(name: str, t: torch.Tensor, groups: ProcessGroups) -> torch.Te
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.contiguous(), group=groups.tp)
     return torch.cat(parts, dim=dim)
+
+
+def whole_over_ep(name: str, t: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """An expert stack (this ep rank's whole experts, bench.expert_parallel) concatenated over the ep group
+    into all E experts; anything else as it is. Collective over ep."""
+    if groups.ep is None or role_spec(name).ep != "expert":
+        return t
+    parts = [torch.empty_like(t) for _ in range(groups.size("ep"))]
+    dist.all_gather(parts, t.contiguous(), group=groups.ep)
+    return torch.cat(parts)
+
+
+def whole(name: str, t: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """A native shard of parameter `name` (or of its gradient) whole over tp and ep. Collective."""
+    return whole_over_ep(name, whole_over_tp(name, t, groups), groups)
 
 
 def on_rank0(local: dict, groups: ProcessGroups) -> dict | None:

@@ -13,6 +13,7 @@ every name outside it is unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -122,6 +123,17 @@ def set_aux_loss_scale(scale: float) -> None:
 
 def aux_loss_scale() -> float:
     return _aux_scale
+
+
+@contextlib.contextmanager
+def aux_loss_scaled(scale: float):
+    """`set_aux_loss_scale(scale)` inside, the previous scale after: a warm rank runs other engines next."""
+    previous = aux_loss_scale()
+    set_aux_loss_scale(scale)
+    try:
+        yield
+    finally:
+        set_aux_loss_scale(previous)
 
 
 class _AttachAux(torch.autograd.Function):

@@ -105,17 +105,20 @@ def test_moe_layout_misfits_are_refused(kw, match):
         RunConfig(**kw)
 
 
-def test_every_backend_declares_expert_parallel_not_implemented_yet():
+def test_every_backend_declares_whether_it_runs_expert_parallel():
     for backend, caps in CAPABILITIES.items():
         cfg = RunConfig.unchecked(backend=backend, dp=2, ep=2, model_overrides=MOE)
         assert structural_reason(cfg) is None
         reason = unsupported_reason(cfg)
-        if caps.ep:
+        if caps.ep_implemented:
+            assert reason is None, reason
+        elif caps.ep:
             assert reason == f"expert parallel is not implemented on backend {backend} yet: needs ep = 1, got ep=2"
         else:
             assert reason.startswith(f"backend {backend} has no expert parallel"), reason
         assert unsupported_reason(RunConfig.unchecked(backend=backend, dp=2)) is None  # dense at ep 1: as before
     assert [b for b, c in CAPABILITIES.items() if c.ep] == ["native", "deepspeed", "fsdp"]
+    assert [b for b, c in CAPABILITIES.items() if c.ep_implemented] == ["native"]  # tests/test_ep_parity.py
 
 
 def test_a_sweep_axis_of_ep_makes_skipped_rows():

@@ -192,6 +192,27 @@ def cp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     return sends + [Traffic("cp", "recv", 0, sum(tr.ops for tr in sends), c, "receives (counted as ops)")]
 
 
+def ep_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
+    """Expert parallel's token dispatch (bench.expert_parallel), per MoE layer and micro-batch on a rank
+    routing N = tokens · top-k rows of width h: the count exchange (E int64), the rows out and the
+    results back forward, and both again backward. Dropless routing: every assignment travels (with a
+    capacity factor fewer do, as many as the data keeps: this counts them all, an upper bound)."""
+    cfg = plan.cfg
+    if cfg.ep == 1:
+        return []
+    m = cfg.model_config
+    calls = sum(m.moe_layer(i) for ids in plan.ranks[stage].layer_ids for i in ids) * cfg.micro_batches
+    if not calls:
+        return []
+    rows = rank_tokens(cfg) * m.moe_top_k * m.hidden  # elements of the routed rows
+    e = FP32 if cfg.dtype == "fp32" else precision(cfg.dtype, mixed_state).act
+    return [Traffic("ep", "all_to_all", 8 * m.experts, calls, cfg.ep, "tokens per expert (int64), forward"),
+            Traffic("ep", "all_to_all", rows * FP32, calls, cfg.ep, "routed rows out, forward (the norm's fp32 output)"),
+            Traffic("ep", "all_to_all", rows * e, calls, cfg.ep, "expert outputs back, forward"),
+            Traffic("ep", "all_to_all", rows * e, calls, cfg.ep, "their gradients out, backward"),
+            Traffic("ep", "all_to_all", rows * FP32, calls, cfg.ep, "the rows' gradients back, backward")]
+
+
 def dp_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     cfg = plan.cfg
     n_dp = data_ranks(cfg)
@@ -359,15 +380,26 @@ def _deepspeed_pp(plan, msg: float, fwd: int, bwd: int) -> list[Traffic]:
 
 def _native_dp(plan, stage: int) -> list[Traffic]:
     """bench.native: one flat fp32 buffer per bucket (+ the sequence-parallel bucket), reduced once
-    per step; ZeRO-1 pads each bucket to a multiple of dp, reduce-scatters it and all-gathers it."""
+    per step; ZeRO-1 pads each bucket to a multiple of dp, reduce-scatters it and all-gathers it. At
+    ep > 1 the expert weights' buckets reduce over the expert-data-parallel ranks (dp·cp/ep), as dp."""
     cfg, (buckets, n_sp), n_dp = plan.cfg, plan.buckets(stage), data_ranks(plan.cfg)
-    sizes = [b for b in (*buckets, n_sp) if b]
-    if not cfg.zero:
-        return [Traffic("dp", "all_reduce", FP32 * sum(sizes) / len(sizes), len(sizes), n_dp, "gradient buckets",
-                        "step")]
-    padded = plan.padded_buckets(stage) * FP32 / len(sizes)
-    return [Traffic("dp", "reduce_scatter", padded, len(sizes), n_dp, "gradient buckets", "step"),
-            Traffic("dp", "all_gather", padded, len(sizes), n_dp, "updated parameters", "step")]
+    out = _bucket_reductions([b for b in (*buckets, n_sp) if b], n_dp, cfg.zero, "")
+    edp = n_dp // cfg.ep
+    if edp > 1:
+        out += _bucket_reductions(list(plan.expert_buckets(stage)), edp, cfg.zero, "expert ")
+    return out
+
+
+def _bucket_reductions(sizes: list[int], n: int, zero: int, kind: str) -> list[Traffic]:
+    """Flat fp32 buckets of `sizes` elements over `n` ranks: all-reduced, or (ZeRO-1) padded to a multiple
+    of n, reduce-scattered and all-gathered. `kind`: "" or "expert ", for the labels."""
+    if not sizes:
+        return []
+    if not zero:
+        return [Traffic("dp", "all_reduce", FP32 * sum(sizes) / len(sizes), len(sizes), n, f"{kind}gradient buckets", "step")]
+    padded = sum(-(-b // n) * n for b in sizes) * FP32 / len(sizes)
+    return [Traffic("dp", "reduce_scatter", padded, len(sizes), n, f"{kind}gradient buckets", "step"),
+            Traffic("dp", "all_gather", padded, len(sizes), n, f"updated {kind}parameters", "step")]
 
 
 def _fsdp_gathers(kind: str, mode: str, mb: int, pp: int) -> int:
@@ -407,7 +439,7 @@ def _fsdp_dp(plan, stage: int, grad_b: int, param_b: int) -> list[Traffic]:
 def stage_traffic(plan, stage: int, mixed_state: str = "zero") -> list[Traffic]:
     """Everything one rank of pipeline stage `stage` sends (plan: bench.analysis.stage_plan)."""
     return tp_traffic(plan, stage, mixed_state) + cp_traffic(plan, stage, mixed_state) + \
-        pp_traffic(plan, stage, mixed_state) + dp_traffic(plan, stage, mixed_state)
+        ep_traffic(plan, stage, mixed_state) + pp_traffic(plan, stage, mixed_state) + dp_traffic(plan, stage, mixed_state)
 
 
 def comm_summary(plan, mixed_state: str = "zero") -> dict:

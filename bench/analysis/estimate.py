@@ -30,7 +30,7 @@ from bench.results.schema import comm_columns
 from models.config import flops_per_token, matmul_params
 
 
-CANDIDATE_FIELDS = ("model", "tp", "cp", "cp_comm", "pp", "dp", "backend", "order", "zero", "fsdp", "schedule",
+CANDIDATE_FIELDS = ("model", "tp", "cp", "cp_comm", "ep", "pp", "dp", "backend", "order", "zero", "fsdp", "schedule",
                     "virtual_stages", "micro_batch", "micro_batches", "seq", "dtype", "sequence_parallel", "recompute", "bucket_mb",
                     "model_overrides")
 """The RunConfig fields the cost model reads: what a planner candidate or a published run chooses (each
@@ -99,15 +99,15 @@ def hardware_flops_per_step(cfg) -> float:
 
 
 @lru_cache(maxsize=4096)
-def crosses_nodes(tp: int, pp: int, dp: int, order: str, gpus_per_node: int, dim: str, cp: int = 1) -> bool:
+def crosses_nodes(tp: int, pp: int, dp: int, order: str, gpus_per_node: int, dim: str, cp: int = 1, ep: int = 1) -> bool:
     """Whether any `dim` group spans nodes (bench.layout's rank maths; cached for the planner's search)."""
-    return Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=order, gpus_per_node=gpus_per_node).any_group_crosses_node(dim)
+    return Layout(tp=tp, cp=cp, pp=pp, dp=dp, order=order, gpus_per_node=gpus_per_node, ep=ep).any_group_crosses_node(dim)
 
 
 def _spans_nodes(cfg, dim: str, gpus_per_node: int) -> bool:
     """Whether the group a `dim` collective runs over spans nodes: the dp traffic runs over dp × cp
     (the gradient's group), so it leaves a node where its dp or its cp part does."""
-    return any(crosses_nodes(cfg.tp, cfg.pp, cfg.dp, cfg.order, gpus_per_node, d, cfg.cp)
+    return any(crosses_nodes(cfg.tp, cfg.pp, cfg.dp, cfg.order, gpus_per_node, d, cfg.cp, cfg.ep)
                for d in ((dim, "cp") if dim == "dp" else (dim,)))
 
 
@@ -126,10 +126,10 @@ def predict_time(plan: StagePlan, hw: Hardware, mixed_state: str | None = None, 
     cfg, g = plan.cfg, plan.gpus_per_node or hw.gpus_per_node
     mixed_state, _, default_impl = conventions(cfg, mixed_state)
     impl = impl or default_impl
-    links = {d: link(cfg, hw, d, g) for d in DIMS if d != "cp" or cfg.cp > 1}  # a cp link only where cp is
+    links = {d: link(cfg, hw, d, g) for d in (*DIMS, "ep") if d not in ("cp", "ep") or getattr(cfg, d) > 1}  # cp, ep: where they are
     t = step_terms(plan, hw, {d: links[d][:2] for d in links}, impl, mixed_state, attention or DEFAULT_ATTENTION)
     step = t["step_time_s"]
-    exposed = t["comm_exposed_tp_s"] + t["comm_exposed_cp_s"] + t["comm_exposed_pp_s"] + t["comm_exposed_dp_s"]
+    exposed = sum(t[f"comm_exposed_{d}_s"] for d in ("tp", "cp", "ep", "pp", "dp"))
     model_flops = model_flops_per_step(cfg)
     return {"hardware": hw.name, **t, "exposed_comm_s": exposed, "comm_tp_s": t["comm_exposed_tp_s"],
             "comm_cp_s": t["comm_exposed_cp_s"], "comm_pp_s": t["comm_exposed_pp_s"], "comm_dp_s": t["comm_dp_total_s"], "comm_dp_exposed_s": t["comm_exposed_dp_s"],
@@ -200,7 +200,7 @@ def row_hardware(device_name: str | None, world: int = 1) -> Hardware | None:
 
 
 TIME_KEYS = ("step_time_s", "tokens_per_s", "mfu", "compute_s", "overhead_s", "comm_exposed_s", "comm_exposed_tp_s",
-             "comm_exposed_cp_s", "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s", "optimizer_s")
+             "comm_exposed_cp_s", "comm_exposed_ep_s", "comm_exposed_pp_s", "comm_exposed_dp_s", "bubble_s", "optimizer_s")
 
 
 def _predict_row(cfg, device_name: str | None = None, hardware: Hardware | None = None,

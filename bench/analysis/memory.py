@@ -62,7 +62,7 @@ from bench.analysis.params import (
     zero12_padded,
 )
 from bench.capabilities import FSDP_SHARDS, ZERO_SHARDS, engine
-from models.config import GPTConfig, block_matmul_weights, block_params, embedding_params
+from models.config import GPTConfig, block_matmul_weights, block_params, embedding_params, expert_params
 
 MIXED_STATES = ("zero", "autocast", "megatron")
 """How mixed precision keeps its model state: see the module docstring."""
@@ -134,10 +134,13 @@ def _state_fields(kind: type) -> attrgetter:
 
 # --- parameters ----------------------------------------------------------------------------------
 @lru_cache(maxsize=65536)
-def block_params_local(m: GPTConfig, tp: int) -> float:
-    """Parameters of one block on one tp rank (row-parallel biases and norms replicated)."""
+def block_params_local(m: GPTConfig, tp: int, layer: int | None = None, ep: int = 1) -> float:
+    """Parameters of block `layer` (None: the last, an MoE block in an MoE model) on one tp rank
+    (row-parallel biases and norms replicated) holding 1/ep of its experts."""
     replicated = (2 * m.hidden if m.bias else 0) + 2 * (m.hidden * (2 if m.norm == "layernorm" else 1))
-    return (block_params(m) - replicated) / tp + replicated
+    layer = m.layers - 1 if layer is None else layer
+    experts = m.experts * expert_params(m) * (1 - 1 / ep) if m.moe_layer(layer) else 0  # on the other ep ranks
+    return (block_params(m, layer) - experts - replicated) / tp + replicated
 
 
 def _pos_params(m: GPTConfig) -> int:
@@ -154,10 +157,10 @@ def head_params_local(m: GPTConfig, tp: int, pp: int) -> float:
     return table / tp + norm
 
 
-def rank_params(m: GPTConfig, tp: int, pp: int, layers: int, first: bool, last: bool) -> float:
-    """Parameters held by one rank of a pipeline stage with `layers` blocks (its tp shard, before
-    dp sharding); `first`: it holds the embedding, `last`: the final norm and head."""
-    n = layers * block_params_local(m, tp)
+def rank_params(m: GPTConfig, tp: int, pp: int, layer_ids, first: bool, last: bool, ep: int = 1) -> float:
+    """Parameters held by one rank of a pipeline stage with blocks `layer_ids` (its tp shard and 1/ep of
+    the experts, before dp sharding); `first`: it holds the embedding, `last`: the final norm and head."""
+    n = sum(block_params_local(m, tp, layer, ep) for layer in layer_ids)
     if first:
         n += embedding_params_local(m, tp)
     if last:
@@ -488,8 +491,9 @@ def model_state(plan, stage: int, prec: Precision) -> dict:
         # flat fp32 buckets padded to a multiple of dp: the parameters are views of one, their
         # gradients of another; the optimizer steps on this rank's 1/dp of the parameter buffer in
         # place (no copy: the engine keeps fp32 weights under autocast too), so it owns only Adam's m, v
-        padded = plan.padded_buckets(stage)
-        return _state(padded, padded, padded / data_ranks(cfg), prec)
+        padded, edp = plan.padded_buckets(stage), data_ranks(cfg) // cfg.ep
+        experts = sum(-(-b // edp) * edp for b in plan.expert_buckets(stage))  # sharded over edp (ep > 1)
+        return _state(padded + experts, padded + experts, padded / data_ranks(cfg) + experts / edp, prec)
     dp_, dg, do = plan.state_divisors
     return _state(n / dp_, n / dg, n / do, prec)
 

@@ -17,7 +17,7 @@ from bench.capabilities import engine
 from bench.conventions import grad_bytes
 from bench.analysis.zero3 import Gathers, gpt_tree, replay
 from bench.schedule import partition, rank_chunks
-from models.config import GPTConfig, ParamSpec, block_table, embed_table, final_table, head_spec
+from models.config import GPTConfig, ParamSpec, block_table, embed_table, final_table, head_spec, role_spec
 
 Param = tuple[str, tuple[int, ...], bool]
 
@@ -86,32 +86,56 @@ def numel(shape: tuple[int, ...]) -> int:
 
 @lru_cache(maxsize=4096)
 def native_buckets(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, sequence_parallel: bool,
-                   bucket_mb: float) -> tuple[tuple[int, ...], int]:
+                   bucket_mb: float, ep: int = 1) -> tuple[tuple[int, ...], int]:
     """(element counts of the gradient buckets, of the sequence-parallel bucket) as bench.native
-    builds them: parameters in reverse order, a new bucket when the next would pass bucket_mb."""
-    chunks = stage_chunk_params(m, tp, pp, virtual_stages, stage)
-    params = [p for chunk in reversed(chunks) for p in reversed(chunk)]
+    builds them: parameters in reverse order, a new bucket when the next would pass bucket_mb. At ep > 1
+    the expert weights are not in them: `native_expert_buckets`."""
+    params = _reversed_params(m, tp, pp, virtual_stages, stage)
     sp = [p for p in params if sequence_parallel and not p[2]]
-    hooked = [p for p in params if not (sequence_parallel and not p[2])]
+    hooked = [p for p in params if not (sequence_parallel and not p[2]) and not (ep > 1 and _is_expert(p[0]))]
+    return _fill_buckets([numel(shape) for _, shape, _ in hooked], bucket_mb), sum(numel(s) for _, s, _ in sp)
+
+
+@lru_cache(maxsize=4096)
+def native_expert_buckets(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, bucket_mb: float,
+                          ep: int) -> tuple[int, ...]:
+    """Element counts of the native engine's expert-weight buckets at ep > 1 (this rank's E/ep experts,
+    reduced over the expert-data-parallel group); () at ep = 1."""
+    if ep == 1:
+        return ()
+    params = _reversed_params(m, tp, pp, virtual_stages, stage)
+    return _fill_buckets([numel(shape) // ep for name, shape, _ in params if _is_expert(name)], bucket_mb)
+
+
+def _reversed_params(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int) -> list[Param]:
+    chunks = stage_chunk_params(m, tp, pp, virtual_stages, stage)
+    return [p for chunk in reversed(chunks) for p in reversed(chunk)]
+
+
+def _is_expert(name: str) -> bool:
+    return role_spec(name).ep == "expert"
+
+
+def _fill_buckets(sizes: list[int], bucket_mb: float) -> tuple[int, ...]:
+    """Consecutive sizes, a new bucket whenever the next would pass bucket_mb (fp32 gradients)."""
     cap, buckets, size = bucket_mb * 2**20, [], 0
-    for _, shape, _ in hooked:
-        nbytes = numel(shape) * 4
-        if buckets and size + nbytes > cap:
+    for n in sizes:
+        if buckets and size + n * 4 > cap:
             buckets.append(0)
             size = 0
         if not buckets:
             buckets.append(0)
-        buckets[-1] += numel(shape)
-        size += nbytes
-    return tuple(buckets), sum(numel(s) for _, s, _ in sp)
+        buckets[-1] += n
+        size += n * 4
+    return tuple(buckets)
 
 
 @lru_cache(maxsize=65536)
 def native_padded_buckets(m: GPTConfig, tp: int, pp: int, virtual_stages: int, stage: int, sequence_parallel: bool,
-                          bucket_mb: float, dp: int) -> int:
+                          bucket_mb: float, dp: int, ep: int = 1) -> int:
     """Elements of the native engine's ZeRO-1 buckets (`native_buckets`, the sequence-parallel one
     included), each padded to a multiple of dp."""
-    buckets, n_sp = native_buckets(m, tp, pp, virtual_stages, stage, sequence_parallel, bucket_mb)
+    buckets, n_sp = native_buckets(m, tp, pp, virtual_stages, stage, sequence_parallel, bucket_mb, ep)
     return sum(-(-b // dp) * dp for b in (*buckets, n_sp) if b)
 
 

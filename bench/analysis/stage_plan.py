@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache, partial
 
 from bench.analysis.memory import rank_params, sharding
-from bench.analysis.params import data_ranks, fsdp_group_sizes, native_buckets, native_padded_buckets, stage_param_sizes
+from bench.analysis.params import (data_ranks, fsdp_group_sizes, native_buckets, native_expert_buckets,
+                                   native_padded_buckets, stage_param_sizes)
 from bench.capabilities import engine
 from bench.schedule import Step, partition, rank_chunks, rank_peak, schedule_step
 from models.config import GPTConfig
@@ -74,13 +75,18 @@ class StagePlan:
         return c.model_config, c.tp, c.pp, c.virtual_stages, stage
 
     def buckets(self, stage: int) -> tuple[tuple[int, ...], int]:
-        """(element counts of the native engine's gradient buckets, of its sequence-parallel bucket)."""
-        return native_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb)
+        """(element counts of the native engine's gradient buckets, of its sequence-parallel bucket); at
+        ep > 1 without the expert weights (`expert_buckets`)."""
+        return native_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb, self.cfg.ep)
 
     def padded_buckets(self, stage: int) -> int:
         """Elements of those buckets, each padded to a multiple of dp·cp (ZeRO-1's flat buffers)."""
         return native_padded_buckets(*self._key(stage), self.cfg.sequence_parallel, self.cfg.bucket_mb,
-                                     data_ranks(self.cfg))
+                                     data_ranks(self.cfg), self.cfg.ep)
+
+    def expert_buckets(self, stage: int) -> tuple[int, ...]:
+        """Element counts of the native engine's expert-weight buckets (ep > 1; reduced over edp)."""
+        return native_expert_buckets(*self._key(stage), self.cfg.bucket_mb, self.cfg.ep)
 
     def fsdp_groups(self, stage: int, shard: int) -> tuple[tuple[str, int], ...]:
         """(kind, padded element count) of each FSDP2 group of a rank, sharded `shard` ways."""
@@ -103,13 +109,13 @@ def executed_schedule(cfg) -> tuple[str, bool]:
 
 @lru_cache(maxsize=65536)
 def rank_plan(mc: GPTConfig, tp: int, pp: int, virtual_stages: int, micro_batches: int, schedule: str,
-              fill_when_m_is_p: bool, stage: int) -> RankPlan:
+              fill_when_m_is_p: bool, stage: int, ep: int = 1) -> RankPlan:
     """One pipeline rank's share (cached: the planner asks for the same ranks under many dp sizes
     and backends)."""
     chunks, layer_ids, first, last, peaks = _rank_shape(mc.layers, pp, virtual_stages, micro_batches, schedule,
                                                         fill_when_m_is_p, stage)
     return RankPlan(stage, chunks, layer_ids, first, last,
-                    rank_params(mc, tp, pp, sum(map(len, layer_ids)), first, last), *peaks)
+                    rank_params(mc, tp, pp, [i for ids in layer_ids for i in ids], first, last, ep), *peaks)
 
 
 @lru_cache(maxsize=65536)
@@ -136,4 +142,4 @@ def stage_plan(cfg, gpus_per_node: int | None = None, stages=None) -> StagePlan:
     shape = (cfg.model_config, cfg.tp, cfg.pp, cfg.virtual_stages, cfg.micro_batches, name, fill)
     stages = range(cfg.pp) if stages is None else stages
     return StagePlan(cfg, gpus_per_node, name, fill, *sharding(cfg, gpus_per_node),
-                     {s: rank_plan(*shape, s) for s in stages})
+                     {s: rank_plan(*shape, s, cfg.ep) for s in stages})

@@ -59,7 +59,8 @@ from bench.capabilities import engine
 from bench.conventions import dtype_key, grad_bytes, wire_bytes
 from models.config import block_matmul_weights
 
-TERMS = ("compute_s", "overhead_s", "comm_exposed_tp_s", "comm_exposed_cp_s", "comm_exposed_pp_s", "comm_exposed_dp_s",
+TERMS = ("compute_s", "overhead_s", "comm_exposed_tp_s", "comm_exposed_cp_s", "comm_exposed_ep_s", "comm_exposed_pp_s",
+         "comm_exposed_dp_s",
          "bubble_s", "optimizer_s")
 """The step's additive terms (step_time_s is their sum)."""
 
@@ -417,6 +418,12 @@ def stage_time(plan, stage: int, hw: Hardware, links: dict, impl: str, mixed_sta
     return StageTime(m * (f + b) + upkeep, m * dev.overhead(Work((), 0, ops)), tp, pp, b, traffic, cp)
 
 
+def ep_exposed(cfg, st: "StageTime", hw: Hardware, links: dict) -> float:
+    """Seconds of expert parallel's all-to-alls (all micro-batches): every one exposed, since the
+    dispatch waits for its tokens and the experts for the dispatch (bench.expert_parallel overlaps none)."""
+    return collectives_time([tr for tr in st.traffic if tr.dim == "ep"], hw, links, cfg.world)
+
+
 def cp_exposed(cfg, items, c: PartCosts, hw: Hardware, links: dict) -> float:
     """Seconds of context parallel's traffic (all micro-batches) not hidden behind the attention core.
     A ring pass posted before a ring step and waited after it (`Traffic.behind`) hides behind that step,
@@ -586,7 +593,8 @@ def step_terms(plan, hw: Hardware, links: dict, impl: str = "table2", mixed_stat
         tp_step = collectives_time([tr for tr in per_step if tr.dim == "tp"], hw, links, cfg.world)
         pp_step = collectives_time([tr for tr in per_step if tr.dim == "pp"], hw, links, cfg.world)
         terms = {"compute_s": st.compute, "overhead_s": st.overhead, "comm_exposed_tp_s": st.tp + tp_step,
-                 "comm_exposed_cp_s": st.cp, "comm_exposed_pp_s": st.pp + pp_step, "comm_exposed_dp_s": dp_exposed(cfg, st, hw, links),
+                 "comm_exposed_cp_s": st.cp, "comm_exposed_ep_s": ep_exposed(cfg, st, hw, links),
+                 "comm_exposed_pp_s": st.pp + pp_step, "comm_exposed_dp_s": dp_exposed(cfg, st, hw, links),
                  "bubble_s": st.busy * plan.step.bubble_over_ideal, "optimizer_s": optimizer_time(plan, stage, hw)}
         total = sum(terms.values())
         if best is None or total > best[0]:

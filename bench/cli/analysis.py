@@ -111,7 +111,7 @@ def estimate(n_params, hardware, gpus_per_node, mixed_state, activations, attent
             cfg = config_from_source(source, options, model_config, approximate, blocks)
         else:
             cfg = _shape_from_options(options) if any_engine else config_from_options(options)
-        est = {"params": count_params(cfg.model_config), "cp": cfg.cp,
+        est = {"params": count_params(cfg.model_config), "cp": cfg.cp, "ep": cfg.ep,
                **predict(cfg, hardware, gpus_per_node, mixed_state, activations, attention)}
     if as_json:
         echo_json(est)
@@ -153,19 +153,16 @@ def _print_estimate(est: dict) -> None:
         return
     click.echo(f"  activations per layer and micro-batch: {_gib(est['activation_bytes_per_layer'])}")
     click.echo("communication per step and rank (payload / ring wire):")
-    for dim in named_dims(est["cp"]):
+    for dim in [*named_dims(est["cp"]), *(["ep"] if est["ep"] > 1 else [])]:
         payload, wire = est[comm_column("bytes", dim)], est[comm_column("wire_bytes", dim)]
         click.echo(f"  {dim}: {_gib(payload):>14} / {_gib(wire):>14}")
     click.echo(f"bubble fraction {est['bubble_fraction']:.3f}   model FLOPs per step {est['flops_per_step']:.4g}")
     if "step_time_s" in est:
-        cp = "cp" in est["links"]  # named only where cp > 1
-        click.echo(f"on {est['profile']} (links tp "
-                   f"{est['links']['tp']}, " + (f"cp {est['links']['cp']}, " if cp else "") +
-                   f"pp {est['links']['pp']}, dp {est['links']['dp']}): step "
+        dims = [d for d in ("tp", "cp", "ep", "pp", "dp") if d in est["links"]]  # cp, ep: named only where > 1
+        click.echo(f"on {est['profile']} (links " + ", ".join(f"{d} {est['links'][d]}" for d in dims) + "): step "
                    f"{est['step_time_s']:.4g} s = compute {est['compute_s']:.4g} + overhead {est['overhead_s']:.4g} "
-                   f"+ exposed comm tp {est['comm_exposed_tp_s']:.4g} "
-                   + (f"cp {est['comm_exposed_cp_s']:.4g} " if cp else "") + f"pp {est['comm_exposed_pp_s']:.4g} "
-                   f"dp {est['comm_exposed_dp_s']:.4g} + bubble {est['bubble_s']:.4g} + optimizer {est['optimizer_s']:.4g}")
+                   "+ exposed comm " + " ".join(f"{d} {est[f'comm_exposed_{d}_s']:.4g}" for d in dims) +
+                   f" + bubble {est['bubble_s']:.4g} + optimizer {est['optimizer_s']:.4g}")
         click.echo(f"  {est['tokens_per_s']:,.0f} tokens/s   MFU {est['mfu']:.1%}   "
                    f"{'fits' if est['fits'] else 'DOES NOT FIT'} in {_gib(est['memory_limit_bytes'])}")
 

@@ -13,6 +13,9 @@ bucket, reduced at `finish()`: first one all-reduce over tp (the sum over sequen
 4·N_sp bytes), then over dp like any bucket.
 
 Context parallel: every bucket reduces over dp × cp (`ProcessGroups.dp_cp`), and ZeRO-1 shards over it.
+
+Expert parallel: the expert weights (whole experts, bench.expert_parallel) form buckets of their own,
+reduced (and ZeRO-1-sharded) over the expert-data-parallel group edp instead.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from bench.expert_parallel import expert_parameters
 from bench.native import tensor_comm as comm
 from bench.native.bucket import Bucket, split_into_buckets
 from bench.native.tensor import sequence_parallel_params
@@ -35,10 +39,15 @@ class DataParallel:
         sp_ids = set()
         if run_cfg.sequence_parallel:
             sp_ids = {id(p) for chunk in chunks for _, p in sequence_parallel_params(chunk)}
-        hooked = [p for p in params if id(p) not in sp_ids]
+        expert_ids = expert_parameters(chunks)
+        hooked = [p for p in params if id(p) not in sp_ids | expert_ids]
         cap = run_cfg.bucket_mb * 2**20
         make = lambda ps: Bucket(ps, groups.dp_cp, dp, dp_rank, run_cfg.zero)  # noqa: E731
         self.buckets = [make(ps) for ps in split_into_buckets(hooked, cap)]
+        # expert weights: reduced over the ranks holding the same experts (edp), in buckets of their own
+        edp, edp_rank = len(groups.ranks["edp"]), groups.ranks["edp"].index(groups.rank)
+        experts = [p for p in params if id(p) in expert_ids]
+        self.buckets += [Bucket(ps, groups.edp, edp, edp_rank, run_cfg.zero) for ps in split_into_buckets(experts, cap)]
         sp_params = [p for p in params if id(p) in sp_ids]
         self.sp_bucket = make(sp_params) if sp_params else None
         self._bucket_of, self._passes = {}, {}

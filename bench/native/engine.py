@@ -13,13 +13,14 @@ import torch.nn as nn
 
 from bench.context_parallel import set_positions, use_ring_attention
 from bench.data import sequence_share
+from bench.expert_parallel import apply_expert_parallel
 from bench.loss_scale import loss_scaler, optimizer_step
 from bench.native.data import DataParallel
 from bench.native.pipeline import Pipeline, stage_layers_json
 from bench.native.tensor import apply_tensor_parallel
 from bench.schedule import partition, rank_chunks
 from bench.surgery import Stage, cut_stages, materialize, transform_blocks
-from bench.training import Batch, RunContext, Trainer, make_optimizer, on_rank0, whole_over_tp
+from bench.training import Batch, RunContext, Trainer, make_optimizer, on_rank0, whole
 from models import GPT
 
 
@@ -34,9 +35,10 @@ class Parallel:
 
 
 def parallelize(model: GPT, groups, cfg, device: torch.device, autocast_dtype=None) -> Parallel:
-    """Tensor → pipeline → data parallel on `model` (built on meta); materializes this rank's shards."""
+    """Tensor → expert → pipeline → data parallel on `model` (built on meta); materializes this rank's shards."""
     tp, tp_rank = groups.size("tp"), groups.coord.tp
     apply_tensor_parallel(model, cfg, groups.tp, tp_rank, tp)
+    apply_expert_parallel(model, groups)
     p, v = groups.size("pp"), cfg.virtual_stages
     parts = partition(model.cfg.layers, p * v)
     chunks = cut_stages(model, parts, rank_chunks(groups.coord.pp, p, v))
@@ -62,8 +64,8 @@ class NativeTrainer(Trainer):
         self.model = nn.ModuleList(self.par.chunks)
         params = self.par.data.shard_params() if cfg.zero else self.model.parameters()
         self.optimizer = make_optimizer(params)
-        # fp16-mixed: tp/pp ranks hold other layers' gradients, ZeRO-1 ranks other shards
-        self.scaler = loss_scaler(ctx, ranks_differ=cfg.tp > 1 or cfg.pp > 1 or cfg.zero > 0)
+        # fp16-mixed: tp/pp ranks hold other layers' gradients, ZeRO-1 ranks other shards, ep ranks other experts
+        self.scaler = loss_scaler(ctx, ranks_differ=cfg.tp > 1 or cfg.pp > 1 or cfg.zero > 0 or cfg.ep > 1)
 
     def train(self, batch: Batch) -> torch.Tensor | None:
         self.par.data.start_step()
@@ -80,12 +82,12 @@ class NativeTrainer(Trainer):
 
     def whole_stage_parameters(self):
         for chunk in self.par.chunks:
-            yield from ((name, whole_over_tp(name, p.detach(), self.ctx.groups)) for name, p in chunk.named_parameters())
+            yield from ((name, whole(name, p.detach(), self.ctx.groups)) for name, p in chunk.named_parameters())
 
     def named_full_gradients(self) -> dict[str, torch.Tensor] | None:
         """Every parameter's reduced gradient whole, as `named_full_parameters` (outside ZeRO-1, whose
         reduced gradients are the optimizer's shards). A collective."""
-        grads = {name: whole_over_tp(name, p.grad.detach(), self.ctx.groups).clone()
+        grads = {name: whole(name, p.grad.detach(), self.ctx.groups).clone()
                  for chunk in self.par.chunks for name, p in chunk.named_parameters()}
         return on_rank0(grads, self.ctx.groups)
 

@@ -28,6 +28,7 @@ from bench.native.pipeline_comm import PipeComm
 from bench.native.tensor import vocab_parallel_cross_entropy
 from bench.schedule import rank_chunks, schedule
 from bench.surgery import Stage
+from models.gpt import aux_loss_scaled
 
 
 class BubbleMeter:
@@ -143,7 +144,9 @@ class Pipeline:
         """One step over `batches` (on the device); the last stage's micro-batch losses, each already
         divided by the micro-batch count, as device tensors (never read here: no host sync)."""
         saved, losses, posted = {}, [], {}
-        with self.meter.step(), self._weight_casts_kept():
+        # each micro-batch's MoE aux loss is the mean over its sequences: 1/micro_batches of the step's, and
+        # its gradient takes backward's scale (1/(dp·cp), the loss scale) as the loss's does
+        with self.meter.step(), self._weight_casts_kept(), aux_loss_scaled(self.grad_scale / self.cfg.micro_batches):
             for i, (kind, chunk, mb) in enumerate(self.order):
                 for j in (i, i + 1) if self.post_ahead else (i,):  # the next one's: in flight during compute
                     if j < len(self.order) and j not in posted:

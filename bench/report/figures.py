@@ -299,7 +299,7 @@ def bubble_curve(df: pd.DataFrame):
 
 # --- predicted vs measured time -----------------------------------------------------------------
 TIME_TERMS = {"compute": "pred_compute_s", "overhead": "pred_overhead_s", "tp comm": "pred_comm_exposed_tp_s",
-              "pp comm": "pred_comm_exposed_pp_s", "dp comm": "pred_comm_exposed_dp_s", "bubble": "pred_bubble_s",
+              "ep comm": "pred_comm_exposed_ep_s", "pp comm": "pred_comm_exposed_pp_s", "dp comm": "pred_comm_exposed_dp_s", "bubble": "pred_bubble_s",
               "optimizer": "pred_optimizer_s"}
 
 

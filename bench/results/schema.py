@@ -184,7 +184,7 @@ _PRED_TIME = [
            "s", always=False),
     Column("pred_comm_exposed_s", "float", "predicted communication not hidden behind compute, all groups",
            Kind.PREDICTED, "s", always=False),
-    Family("pred_comm_exposed_{dim}_s", {"dim": DIMS},
+    Family("pred_comm_exposed_{dim}_s", {"dim": COMM_DIMS},
            Column("", "float", "predicted exposed communication of the {dim} groups", Kind.PREDICTED, "s",
                   always=False)),
     Column("pred_bubble_s", "float", "predicted pipeline bubble (idle time of the simulated schedule)",
