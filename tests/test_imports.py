@@ -91,7 +91,7 @@ FLOORS = (
                      "bench.environment", "bench.data"}),
     ("declarations", {"bench.config", "bench.capabilities", "bench.typed_yaml", "bench.results"}),
     ("models of cost and meters", {"bench.analysis", "bench.metrics"}),
-    ("the ranks", {"bench.distributed", "bench.surgery", "bench.context_parallel", "bench.loss_scale", "bench.training",
+    ("the ranks", {"bench.distributed", "bench.surgery", "bench.context_parallel", "bench.expert_parallel", "bench.loss_scale", "bench.training",
                    "bench.native", "bench.backends", "bench.worker", "bench.spawn", "bench.calibrate"}),
     ("orchestration", {"bench.sweep", "bench.report", "bench.ecosystem"}),
     ("commands", {"bench.cli"}),

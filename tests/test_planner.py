@@ -16,7 +16,8 @@ from bench.analysis.stage_plan import stage_plan
 from bench.schedule import SCHEDULES, schedule_step
 from models import PRESETS
 
-PLANS = [("tiny", 8, 16, "any"), ("gpt2-124m", 24, 48, "suite"), ("llama2-7b", 32, 64, "any")]
+PLANS = [("tiny", 8, 16, "any"), ("gpt2-124m", 24, 48, "suite"), ("llama2-7b", 32, 64, "any"),
+         ("tiny-moe", 8, 16, "suite")]  # experts: ep searched, the native engine's MoE refusals cached
 
 
 def candidates(model: str, gpus: int, batch: int, engines: str, per_node: int = 4):
@@ -58,6 +59,18 @@ def test_state_parts_agree_with_the_uncached_parts(model, gpus, batch, engines):
                         assert part(stages, stage, prec) == part.__wrapped__(stages, stage, prec), (part, shape)
                     n += 1
     assert n > 1000
+
+
+def test_moe_plans_search_ep_and_dense_plans_do_not():
+    """ep: every divisor of dp·cp that divides the experts (tiny-moe: 4), for a mixture of experts only."""
+    def eps(model):
+        return {(p.dp * p.cp, p.ep) for p, _, skip in points(model, 8, 16, 32, "bf16-mixed", 4) if not skip}
+    assert eps("tiny") == {(n, 1) for n in (1, 2, 4, 8)}
+    assert eps("tiny-moe") == {(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)}
+    validate = _Validator("suite")  # the native engine runs ep: its candidates pass and are costed
+    valid = {s.ep for p, orders, skip in points("tiny-moe", 8, 16, 32, "bf16-mixed", 4) if not skip
+             for s in _valid_shapes(p, orders, validate, Counter())}
+    assert valid == {1, 2, 4}
 
 
 def test_bubble_floor_is_below_the_simulated_bubble():

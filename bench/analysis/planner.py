@@ -3,7 +3,8 @@ throughput.
 
 Enumerated: tp (dividing kv heads, ffn, vocab and the GPU count), cp (context parallel, dividing what is
 left, for long sequences only: `context_sizes`), pp (dividing what is left, ≤ layers), dp = gpus /
-(tp·cp·pp) dividing the global batch; the micro-batch size b (m = B / (dp·b)); the
+(tp·cp·pp) dividing the global batch; for a mixture-of-experts model ep (dividing dp·cp and the experts:
+`expert_sizes`); the micro-batch size b (m = B / (dp·b)); the
 schedule (gpipe, 1f1b, interleaved with every v that divides the layers); the model-state sharding
 (native ZeRO 0/1, DeepSpeed ZeRO 2/3, FSDP full/grad-op/hybrid); sequence parallel; recomputation;
 the rank order (only when it changes which groups cross nodes). Each candidate is checked by
@@ -69,7 +70,7 @@ engine such as Megatron-LM could run (RunConfig's layout and model checks, no ba
 def _structure_key(s: RunConfig) -> tuple:
     """What `structural_reason` reads (model fixed): the layout, the schedule, micro-batches only
     as a multiple of pp."""
-    return (s.tp, s.cp, s.cp_comm, s.pp, s.virtual_stages, s.schedule, s.sequence_parallel, s.seq,
+    return (s.tp, s.cp, s.cp_comm, s.ep, s.pp, s.virtual_stages, s.schedule, s.sequence_parallel, s.seq,
             s.micro_batches % s.pp == 0)
 
 
@@ -77,7 +78,7 @@ def _support_facts(s: RunConfig) -> tuple:
     """What `bench.capabilities.unsupported_reason` reads of a point besides the backend options
     (model fixed): the sizes only through the comparisons its rules make."""
     return (s.dtype, s.sequence_parallel, s.schedule, s.tp > 1, s.pp > 1, s.virtual_stages > 1,
-            s.micro_batches < s.pp, s.dp >= 2, s.cp, s.tp * s.cp, s.seq // s.cp)  # cp's rules: heads ÷ tp·cp
+            s.micro_batches < s.pp, s.dp >= 2, s.cp, s.tp * s.cp, s.seq // s.cp, s.ep > 1)  # cp's rules: heads ÷ tp·cp
 
 
 class _Validator:
@@ -145,6 +146,12 @@ def context_sizes(seq: int, n: int) -> list[int]:
     return [c for c in divisors(n) if c == 1 or (seq % (2 * c) == 0 and seq // c >= CP_MIN_TOKENS)]
 
 
+def expert_sizes(experts: int, data_ranks: int) -> list[int]:
+    """The ep sizes searched: 1 for a dense model, else every divisor of the dp·cp ranks that divides the
+    experts (each ep rank holds whole experts)."""
+    return [e for e in divisors(data_ranks) if experts % e == 0] if experts else [1]
+
+
 def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_per_node: int):
     """Every layout × micro-batch size × schedule × sequence parallel, as an unchecked RunConfig with the default
     backend options, with the rank orders worth comparing; (None, (), reason) for a layout whose dp
@@ -174,8 +181,9 @@ def points(model: str, gpus: int, global_batch: int, seq: int, dtype: str, gpus_
                     schedules += [("gpipe", 1)] + [("interleaved", v) for v in divisors(m.layers // pp)
                                                    if 1 < v <= MAX_VIRTUAL and m.layers % (pp * v) == 0]
                 for schedule, v in schedules:
-                    for sp in ((False, True) if tp > 1 else (False,)):
-                        yield RunConfig.unchecked(model=model, tp=tp, cp=cp, pp=pp, dp=dp, schedule=schedule,
+                    for sp, ep in ((sp, ep) for sp in ((False, True) if tp > 1 else (False,))
+                                   for ep in expert_sizes(m.experts, dp * cp)):
+                        yield RunConfig.unchecked(model=model, tp=tp, cp=cp, ep=ep, pp=pp, dp=dp, schedule=schedule,
                                                   virtual_stages=v, micro_batch=b, micro_batches=mb, seq=seq,
                                                   dtype=dtype, sequence_parallel=sp), orders, None
 
@@ -377,7 +385,8 @@ def _row(shape: RunConfig, mem: dict, time: dict) -> dict:
 def describe(row: dict) -> str:
     """One line naming a planned config in the CLI's vocabulary."""
     cp = f" cp={row['cp']}" if row["cp"] > 1 else ""
-    parts = [f"tp={row['tp']}{cp} pp={row['pp']} dp={row['dp']}", f"--backend {row['backend']}"]
+    ep = f" ep={row['ep']}" if row["ep"] > 1 else ""
+    parts = [f"tp={row['tp']}{cp} pp={row['pp']} dp={row['dp']}{ep}", f"--backend {row['backend']}"]
     if row["cp"] > 1:
         parts.append(f"--cp-comm {row['cp_comm']}")
     if row["fsdp"] is not None:  # an engine sharded by FSDP modes
@@ -414,8 +423,8 @@ def sweep_text(result: Plan, model: str, gpus: int, gpus_per_node: int, hardware
     sweep expands to exactly these configs."""
     import yaml
     device = plan_device(hardware)
-    rows = [{**{k: row[k] for k in SWEEP_FIELDS if row[k] is not None and not (k == "cp" and row[k] == 1)},
-             "device": device} for row in result.configs]  # cp = 1: a plan without cp reads as before
+    rows = [{**{k: row[k] for k in SWEEP_FIELDS if row[k] is not None and not (k in ("cp", "ep") and row[k] == 1)},
+             "device": device} for row in result.configs]  # cp, ep = 1: a plan without them reads as before
     shared = {k: v for k, v in rows[0].items() if all(r.get(k) == v for r in rows)} if len(rows) > 1 else {}
     hw = get_hardware(hardware)
     lines = [f"# written by `{command}` on {when}",

@@ -219,7 +219,8 @@ def plan(model, gpus, gpus_per_node, hardware, global_batch, seq, dtype, top, me
         click.echo(f"{i}. {describe(row)}")
         click.echo(f"   {row['tokens_per_s']:,.0f} tokens/s  MFU {row['mfu']:.1%}  step {row['step_time_s']:.2f} s "
                    f"(compute {row['compute_s']:.2f}, comm tp {row['comm_tp_s']:.2f} "
-                   + (f"cp {row['comm_cp_s']:.2f} " if row["cp"] > 1 else "") + f"pp {row['comm_pp_s']:.2f} "
+                   + (f"cp {row['comm_cp_s']:.2f} " if row["cp"] > 1 else "")
+                   + (f"ep {row['comm_exposed_ep_s']:.2f} " if row["ep"] > 1 else "") + f"pp {row['comm_pp_s']:.2f} "
                    f"dp {row['comm_dp_exposed_s']:.2f}, bubble {row['bubble_s']:.2f})  "
                    f"memory {_gib(row['total_bytes'])} (act {_gib(row['activation_bytes'])})")
     if framework:
