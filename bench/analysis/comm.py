@@ -51,6 +51,7 @@ from bench.analysis.params import (
     deepspeed_bf16_optimizer,
     deepspeed_settings,
     deepspeed_zero3_split,
+    padded_total,
     zero3_padded_sums,
     zero3_gathers,
 )
@@ -397,7 +398,7 @@ def _bucket_reductions(sizes: list[int], n: int, zero: int, kind: str) -> list[T
         return []
     if not zero:
         return [Traffic("dp", "all_reduce", FP32 * sum(sizes) / len(sizes), len(sizes), n, f"{kind}gradient buckets", "step")]
-    padded = sum(-(-b // n) * n for b in sizes) * FP32 / len(sizes)
+    padded = padded_total(sizes, n) * FP32 / len(sizes)
     return [Traffic("dp", "reduce_scatter", padded, len(sizes), n, f"{kind}gradient buckets", "step"),
             Traffic("dp", "all_gather", padded, len(sizes), n, f"updated {kind}parameters", "step")]
 

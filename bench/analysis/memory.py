@@ -57,6 +57,7 @@ from bench.analysis.params import (
     deepspeed_bf16_optimizer,
     deepspeed_settings,
     deepspeed_zero3_split,
+    padded_total,
     zero3_padded_sums,
     zero3_gathers,
     zero12_padded,
@@ -492,7 +493,7 @@ def model_state(plan, stage: int, prec: Precision) -> dict:
         # gradients of another; the optimizer steps on this rank's 1/dp of the parameter buffer in
         # place (no copy: the engine keeps fp32 weights under autocast too), so it owns only Adam's m, v
         padded, edp = plan.padded_buckets(stage), data_ranks(cfg) // cfg.ep
-        experts = sum(-(-b // edp) * edp for b in plan.expert_buckets(stage))  # sharded over edp (ep > 1)
+        experts = padded_total(plan.expert_buckets(stage), edp)  # sharded over edp (ep > 1)
         return _state(padded + experts, padded + experts, padded / data_ranks(cfg) + experts / edp, prec)
     dp_, dg, do = plan.state_divisors
     return _state(n / dp_, n / dg, n / do, prec)

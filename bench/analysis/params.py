@@ -136,7 +136,12 @@ def native_padded_buckets(m: GPTConfig, tp: int, pp: int, virtual_stages: int, s
     """Elements of the native engine's ZeRO-1 buckets (`native_buckets`, the sequence-parallel one
     included), each padded to a multiple of dp."""
     buckets, n_sp = native_buckets(m, tp, pp, virtual_stages, stage, sequence_parallel, bucket_mb, ep)
-    return sum(-(-b // dp) * dp for b in (*buckets, n_sp) if b)
+    return padded_total((*buckets, n_sp), dp)
+
+
+def padded_total(sizes, n: int) -> int:
+    """Elements of flat buffers of `sizes` elements, each padded to a multiple of n (ZeRO-1's shards)."""
+    return sum(-(-b // n) * n for b in sizes if b)
 
 
 @lru_cache(maxsize=4096)
